@@ -1,0 +1,313 @@
+"""The step engine: run a model position by position on a KV cache, with recurrences.
+
+One loop, obvious state. For each chunk of ``block_size`` positions (``K = 1`` is
+the exact token-by-token method; the default)::
+
+        positions c0 .. c1-1                    cache: positions < c0 in every block
+    ┌──────────────────────────────────────┐
+    │ x = embed(tokens)                     │  recurrence.form_input  (latent feedback)
+    │ pass 0: blocks 0 .. L-1  ──> logits    │  READOUT: log-probs come from pass 0 only
+    │         (appends K/V at c0..c1-1)      │
+    │ recurrence.after_first_pass(...)       │  may call rerun(start, resid):
+    │   rerun: truncate blocks start..L-1    │    keys/values of c0..c1-1 in those blocks
+    │          back to c0, run them again    │    are REPLACED by the new pass's; blocks
+    │          (pass 1, 2, ...)              │    below `start` keep pass-0 entries
+    └──────────────────────────────────────┘
+
+The engine owns the cache, positions, batching, padding, dtype and progress; a
+recurrence (:class:`Recurrence`) owns only its maths and is called at fixed points.
+Adding a recurrence never touches this file.
+
+Batches are right-padded. Because attention is causal, a real position ``t < len``
+only ever attends to positions ``<= t``, all real, so padding cannot leak into a
+result; padded positions are computed and thrown away (their log-probs are NaN).
+
+User hooks (``fwd_hooks``, TransformerLens names such as ``blocks.5.hook_resid_post``)
+fire on every pass; inside a hook, ``engine.state`` tells which positions and which
+pass (0 = first pass) is running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from probekit.backend import Backend, Edit, make_backend
+from probekit.kv_cache import KVCache
+
+
+@dataclass
+class Step:
+    """What a recurrence sees of the current chunk.
+
+    Attributes:
+        start: absolute position of the chunk's first token.
+        positions: ``[pos]`` absolute positions of the chunk.
+        active: ``[batch, pos]`` bool, which (row, position) pairs the recurrence acts
+            on (the user's mask and-ed with "is a real token").
+        input_ids: ``[batch, pos]`` the chunk's tokens.
+    """
+
+    start: int
+    positions: Tensor
+    active: Tensor
+    input_ids: Tensor
+
+
+@dataclass
+class EngineState:
+    """Readable from inside hooks: where the engine is right now."""
+
+    positions: Tensor | None = None
+    pass_index: int = 0  # 0 = first pass (the readout); 1, 2, ... = recurrent passes
+
+
+class Recurrence:
+    """Base class of recurrence strategies; by itself, the plain model.
+
+    The engine calls, in order: ``check`` (before any state), ``begin`` (once per run),
+    then per chunk ``form_input`` and ``after_first_pass``.
+    """
+
+    name = "none"
+    #: blocks whose first-pass output ``after_first_pass`` needs.
+    capture_first: frozenset[int] = frozenset()
+
+    def check(self, n_blocks: int) -> None:
+        """Raise ValueError if this recurrence cannot run on a model of ``n_blocks``."""
+
+    def begin(self, batch_size: int, seq_len: int) -> None:
+        """Reset per-run state."""
+
+    def form_input(self, step: Step, embeds: Tensor) -> Tensor:
+        """The chunk's residual at depth 0 (default: the token embeddings)."""
+        return embeds
+
+    def after_first_pass(
+        self, step: Step, captured: dict[int, Tensor], top: Tensor, rerun: Rerun
+    ) -> None:
+        """Called after the first pass; may re-run upper blocks through ``rerun``."""
+
+
+# rerun(start_block, resid, capture=(), edits=None) -> captured outputs of that pass
+Rerun = Callable[..., dict[int, Tensor]]
+
+
+@dataclass
+class RunResult:
+    """The outcome of :meth:`StepEngine.run`.
+
+    Attributes:
+        input_ids: ``[batch, seq]`` right-padded tokens.
+        lengths: ``[batch]`` real lengths.
+        log_probs: ``[batch, seq-1]`` ``log p(x[t+1] | prediction at t)`` from the first
+            pass, NaN where ``t+1`` is padding.
+        logits: ``[batch, seq, vocab]`` first-pass logits if requested, else None.
+        cache: the final KV cache if requested, else None.
+    """
+
+    input_ids: Tensor
+    lengths: Tensor
+    log_probs: Tensor
+    logits: Tensor | None = None
+    cache: KVCache | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def sequence_log_probs(self, i: int) -> Tensor:
+        """The ``lengths[i] - 1`` valid log-probs of sequence ``i``."""
+        return self.log_probs[i, : int(self.lengths[i]) - 1]
+
+
+class StepEngine:
+    """Runs a model chunk by chunk with a KV cache and an optional recurrence.
+
+    Args:
+        model: a :class:`probekit.LoadedModel`.
+        backend: ``"lens"`` (TransformerLens bridge) or a :class:`Backend` instance.
+    """
+
+    def __init__(self, model, backend: str | Backend = "lens") -> None:
+        self.model = model
+        self.backend = make_backend(model, backend) if isinstance(backend, str) else backend
+        self.state = EngineState()
+        pad = getattr(model.tokenizer, "pad_token_id", None)
+        eos = getattr(model.tokenizer, "eos_token_id", None)
+        self.pad_id = pad if pad is not None else (eos if eos is not None else 0)
+
+    @property
+    def n_blocks(self) -> int:
+        return self.backend.n_blocks
+
+    # ------------------------------------------------------------------ inputs
+    def batch(self, input_ids: Tensor | Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
+        """Validate and right-pad ``input_ids`` -> (``[batch, seq]`` ids, ``[batch]`` lengths)."""
+        if isinstance(input_ids, Tensor):
+            if input_ids.ndim == 1:
+                input_ids = input_ids[None]
+            if input_ids.ndim != 2:
+                raise ValueError(f"input_ids must be [batch, seq]; got shape {tuple(input_ids.shape)}")
+            rows = [r for r in input_ids.tolist()]
+        else:
+            rows = [list(r) for r in input_ids]
+        if not rows or any(len(r) == 0 for r in rows):
+            raise ValueError("empty input: every sequence needs at least one token")
+        longest = max(len(r) for r in rows)
+        if longest > self.backend.n_ctx:
+            raise ValueError(
+                f"sequence of {longest} tokens exceeds the model's context of "
+                f"{self.backend.n_ctx} tokens; use shorter windows (--window-tokens)"
+            )
+        vocab = self.backend.vocab_size
+        flat = [t for r in rows for t in r]
+        if min(flat) < 0 or max(flat) >= vocab:
+            raise ValueError(f"token ids must lie in [0, {vocab}); got {min(flat)}..{max(flat)}")
+        ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+        return ids, lengths
+
+    @staticmethod
+    def active_mask(active: Tensor | None, lengths: Tensor, seq: int) -> Tensor:
+        """``[batch, seq]`` bool: the user's mask (``[seq]`` or ``[batch, seq]``, default
+        all) and-ed with "is a real token"."""
+        batch = len(lengths)
+        real = torch.arange(seq)[None, :] < lengths[:, None]
+        if active is None:
+            return real
+        active = torch.as_tensor(active, dtype=torch.bool)
+        if active.ndim == 1:
+            active = active[None].expand(batch, -1)
+        if active.shape[0] != batch or active.shape[1] < seq:
+            raise ValueError(
+                f"mask must be [seq] or [batch, seq] covering {batch} x {seq}; "
+                f"got {tuple(active.shape)}"
+            )
+        return active[:, :seq] & real
+
+    # --------------------------------------------------------------------- run
+    @torch.no_grad()
+    def run(
+        self,
+        input_ids: Tensor | Sequence[Sequence[int]],
+        recurrence: Recurrence | None = None,
+        *,
+        mask: Tensor | None = None,
+        block_size: int = 1,
+        fwd_hooks: Iterable[tuple[Any, Callable]] = (),
+        temperature: float = 1.0,
+        return_logits: bool = False,
+        return_cache: bool = False,
+        progress: bool = False,
+    ) -> RunResult:
+        """Run ``input_ids`` (a ``[batch, seq]`` tensor or ragged lists of ids).
+
+        Args:
+            recurrence: strategy applied at every chunk (None: the plain model).
+            mask: which positions the recurrence acts on, ``[seq]`` or ``[batch, seq]``.
+            block_size: positions per chunk; 1 is exact token-by-token, ``seq`` with no
+                recurrence is one parallel forward.
+            fwd_hooks: TransformerLens ``(name, fn)`` pairs active during the run.
+            temperature: log-probs are ``log_softmax(logits / temperature)``.
+        """
+        recurrence = recurrence or Recurrence()
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1; got {block_size}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0; got {temperature}")
+        # All validation happens before any state is created or changed.
+        recurrence.check(self.n_blocks)
+        ids, lengths = self.batch(input_ids)
+        active = self.active_mask(mask, lengths, ids.shape[1])
+
+        batch, seq = ids.shape
+        L = self.n_blocks
+        cache = KVCache(L, seq)
+        recurrence.begin(batch, seq)
+        log_probs = torch.full((batch, max(seq - 1, 0)), float("nan"))
+        logits_out = torch.empty(batch, seq, self.backend.vocab_size) if return_logits else None
+        capture = recurrence.capture_first
+
+        chunks = range(0, seq, block_size)
+        bar = tqdm(chunks, desc="steps", unit="chunk", disable=not progress, leave=False)
+        with self.backend.hooks(fwd_hooks):
+            for c0 in bar:
+                c1 = min(seq, c0 + block_size)
+                positions = torch.arange(c0, c1)
+                step = Step(c0, positions, active[:, c0:c1], ids[:, c0:c1])
+                pos = self.backend.prepare_positions(positions)
+                self.state.positions, self.state.pass_index = positions, 0
+
+                x = recurrence.form_input(step, self.backend.embed(step.input_ids))
+                top, captured = self.backend.run_blocks(0, L, x, pos, cache, capture)
+                logits = self.backend.unembed(top)
+                self._score(logits, ids, lengths, c0, c1, temperature, log_probs)
+                if logits_out is not None:
+                    logits_out[:, c0:c1] = logits
+
+                def rerun(start: int, resid: Tensor, capture: Iterable[int] = (),
+                          edits: Mapping[int, Edit] | None = None) -> dict[int, Tensor]:
+                    cache.truncate(range(start, L), c0)
+                    self.state.pass_index += 1
+                    _, out = self.backend.run_blocks(start, L, resid, pos, cache, capture, edits)
+                    return out
+
+                recurrence.after_first_pass(step, captured, top, rerun)
+        self.state = EngineState()
+        return RunResult(ids, lengths, log_probs, logits_out, cache if return_cache else None)
+
+    @staticmethod
+    def _score(logits, ids, lengths, c0, c1, temperature, out) -> None:
+        """Write log p(x[t+1] | t) for the chunk's positions t that have a real successor."""
+        t1 = min(c1, ids.shape[1] - 1)
+        if t1 <= c0:
+            return
+        lp = torch.log_softmax(logits[:, : t1 - c0].float() / temperature, dim=-1)
+        targets = ids[:, c0 + 1 : t1 + 1]
+        got = lp.gather(-1, targets[..., None])[..., 0]
+        valid = torch.arange(c0 + 1, t1 + 1)[None, :] < lengths[:, None]
+        out[:, c0:t1] = torch.where(valid, got, torch.full_like(got, float("nan")))
+
+    def forward(self, input_ids, *, temperature: float = 1.0, **kw) -> RunResult:
+        """The plain model in one parallel forward (same maths, one chunk)."""
+        ids, _ = self.batch(input_ids)
+        return self.run(input_ids, block_size=ids.shape[1], temperature=temperature, **kw)
+
+    def run_with_cache(
+        self,
+        input_ids,
+        recurrence: Recurrence | None = None,
+        *,
+        names: Sequence[str],
+        pass_index: int = 0,
+        **kw,
+    ) -> tuple[RunResult, dict[str, Tensor]]:
+        """Like :meth:`run`, also returning activations ``names`` of pass ``pass_index``
+        as ``[batch, seq, ...]`` tensors (NaN at positions that had no such pass)."""
+        store: dict[str, list[tuple[Tensor, Tensor]]] = {n: [] for n in names}
+
+        def make_hook(name: str):
+            def hook(act: Tensor, hook=None):
+                if self.state.pass_index == pass_index:
+                    store[name].append((self.state.positions.clone(), act.detach().clone()))
+                return act
+            return hook
+
+        hooks = [(n, make_hook(n)) for n in names] + list(kw.pop("fwd_hooks", ()))
+        result = self.run(input_ids, recurrence, fwd_hooks=hooks, **kw)
+        batch, seq = result.input_ids.shape
+        out = {}
+        for n, parts in store.items():
+            if not parts:
+                raise ValueError(f"hook {n!r} never fired on pass {pass_index}")
+            shape = parts[0][1].shape[2:]
+            full = torch.full((batch, seq, *shape), float("nan"))
+            for positions, act in parts:
+                full[:, positions] = act.float()
+            out[n] = full
+        return result, out
