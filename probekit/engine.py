@@ -123,6 +123,27 @@ class RunResult:
         return self.log_probs[i, : int(self.lengths[i]) - 1]
 
 
+def chunk_bounds(block_size: int | Sequence[int], start: int, seq: int) -> list[tuple[int, int]]:
+    """``[(c0, c1), ...]`` chunks covering ``start .. seq-1``."""
+    if not 0 <= start < seq:
+        raise ValueError(f"start must lie in [0, {seq}); got {start}")
+    if isinstance(block_size, int):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1; got {block_size}")
+        sizes = [block_size] * -(-(seq - start) // block_size)
+    else:
+        sizes = list(block_size)
+        if any(k < 1 for k in sizes) or sum(sizes) != seq - start:
+            raise ValueError(
+                f"chunk sizes {sizes} must be >= 1 and sum to seq - start = {seq - start}"
+            )
+    bounds, c0 = [], start
+    for k in sizes:
+        bounds.append((c0, min(seq, c0 + k)))
+        c0 += k
+    return bounds
+
+
 class StepEngine:
     """Runs a model chunk by chunk with a KV cache and an optional recurrence.
 
@@ -198,7 +219,9 @@ class StepEngine:
         recurrence: Recurrence | None = None,
         *,
         mask: Tensor | None = None,
-        block_size: int = 1,
+        block_size: int | Sequence[int] = 1,
+        start: int = 0,
+        cache: KVCache | None = None,
         fwd_hooks: Iterable[tuple[Any, Callable]] = (),
         temperature: float = 1.0,
         return_logits: bool = False,
@@ -211,33 +234,42 @@ class StepEngine:
             recurrence: strategy applied at every chunk (None: the plain model).
             mask: which positions the recurrence acts on, ``[seq]`` or ``[batch, seq]``.
             block_size: positions per chunk; 1 is exact token-by-token, ``seq`` with no
-                recurrence is one parallel forward.
+                recurrence is one parallel forward. A sequence gives the sizes of the
+                consecutive chunks (they must cover positions ``start .. seq-1``).
+            start, cache: continue a run: positions ``< start`` are already in ``cache``
+                (e.g. a baseline cache from ``return_cache=True``, see
+                :meth:`KVCache.copy`); only positions ``>= start`` are run and scored.
             fwd_hooks: TransformerLens ``(name, fn)`` pairs active during the run.
             temperature: log-probs are ``log_softmax(logits / temperature)``.
         """
         recurrence = recurrence or Recurrence()
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1; got {block_size}")
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0; got {temperature}")
         # All validation happens before any state is created or changed.
         recurrence.check(self.n_blocks)
         ids, lengths = self.batch(input_ids)
-        active = self.active_mask(mask, lengths, ids.shape[1])
-
         batch, seq = ids.shape
+        active = self.active_mask(mask, lengths, seq)
+        bounds = chunk_bounds(block_size, start, seq)
         L = self.n_blocks
-        cache = KVCache(L, seq)
+        if cache is None:
+            if start != 0:
+                raise ValueError("start > 0 needs the cache holding positions < start")
+            cache = KVCache(L, seq)
+        elif any(n != start for n in cache.lengths) or cache.max_len < seq:
+            raise ValueError(
+                f"cache must hold exactly positions < start={start} in every block and room "
+                f"for {seq}; it holds {sorted(set(cache.lengths))} of max_len {cache.max_len}"
+            )
+
         recurrence.begin(batch, seq)
         log_probs = torch.full((batch, max(seq - 1, 0)), float("nan"))
         logits_out = torch.empty(batch, seq, self.backend.vocab_size) if return_logits else None
         capture = recurrence.capture_first
 
-        chunks = range(0, seq, block_size)
-        bar = tqdm(chunks, desc="steps", unit="chunk", disable=not progress, leave=False)
+        bar = tqdm(bounds, desc="steps", unit="chunk", disable=not progress, leave=False)
         with self.backend.hooks(fwd_hooks):
-            for c0 in bar:
-                c1 = min(seq, c0 + block_size)
+            for c0, c1 in bar:
                 positions = torch.arange(c0, c1)
                 step = Step(c0, positions, active[:, c0:c1], ids[:, c0:c1])
                 pos = self.backend.prepare_positions(positions)

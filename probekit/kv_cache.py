@@ -15,7 +15,6 @@ Recirculation step 3).
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 
@@ -60,6 +59,22 @@ class KVCache:
             if self.lengths[b] < length:
                 raise RuntimeError(f"cannot truncate block {b} from {self.lengths[b]} to {length}")
             self.lengths[b] = length
+
+    def copy(self, length: int | None = None, max_len: int | None = None) -> KVCache:
+        """An independent cache holding this one's positions ``< length`` (default: all)."""
+        new = KVCache(self.n_blocks, max_len or self.max_len)
+        for b in range(self.n_blocks):
+            n = self.lengths[b] if length is None else length
+            if n > self.lengths[b]:
+                raise ValueError(f"block {b} holds {self.lengths[b]} positions, not {n}")
+            if self.keys[b] is not None:
+                k, v = self.keys[b], self.values[b]
+                new.keys[b] = k.new_empty(k.shape[0], k.shape[1], new.max_len, k.shape[3])
+                new.values[b] = v.new_empty(new.keys[b].shape)
+                new.keys[b][:, :, :n] = k[:, :, :n]
+                new.values[b][:, :, :n] = v[:, :, :n]
+            new.lengths[b] = n
+        return new
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.lengths[layer_idx]
