@@ -13,6 +13,10 @@ import sys
 
 COMMANDS = (
     "probekit.perplexity",
+    "probekit.pos_attribution",
+    "probekit.lag",
+    "probekit.sweep",
+    "probekit.run_command",
 )
 
 

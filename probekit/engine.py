@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -171,7 +172,9 @@ class StepEngine:
             if input_ids.ndim == 1:
                 input_ids = input_ids[None]
             if input_ids.ndim != 2:
-                raise ValueError(f"input_ids must be [batch, seq]; got shape {tuple(input_ids.shape)}")
+                raise ValueError(
+                    f"input_ids must be [batch, seq]; got shape {tuple(input_ids.shape)}"
+                )
             rows = [r for r in input_ids.tolist()]
         else:
             rows = [list(r) for r in input_ids]
@@ -282,16 +285,20 @@ class StepEngine:
                 if logits_out is not None:
                     logits_out[:, c0:c1] = logits
 
-                def rerun(start: int, resid: Tensor, capture: Iterable[int] = (),
-                          edits: Mapping[int, Edit] | None = None) -> dict[int, Tensor]:
-                    cache.truncate(range(start, L), c0)
-                    self.state.pass_index += 1
-                    _, out = self.backend.run_blocks(start, L, resid, pos, cache, capture, edits)
-                    return out
-
+                rerun = partial(self._rerun, cache, c0, pos)
                 recurrence.after_first_pass(step, captured, top, rerun)
         self.state = EngineState()
         return RunResult(ids, lengths, log_probs, logits_out, cache if return_cache else None)
+
+    def _rerun(self, cache: KVCache, c0: int, pos: Any, start: int, resid: Tensor,
+               capture: Iterable[int] = (), edits: Mapping[int, Edit] | None = None
+               ) -> dict[int, Tensor]:
+        """Run blocks ``start .. L-1`` again for the chunk starting at ``c0``, replacing
+        (not appending to) the chunk's keys/values in those blocks."""
+        cache.truncate(range(start, self.n_blocks), c0)
+        self.state.pass_index += 1
+        _, out = self.backend.run_blocks(start, self.n_blocks, resid, pos, cache, capture, edits)
+        return out
 
     @staticmethod
     def _score(logits, ids, lengths, c0, c1, temperature, out) -> None:

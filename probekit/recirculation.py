@@ -139,7 +139,8 @@ class Recirculation(Recurrence):
     def __repr__(self) -> str:
         ps = ", ".join(f"s={p.source} d={p.destination} alpha={p.alpha} beta={p.beta}"
                        for p in self.paths)
-        return f"Recirculation({ps}, norm={self.norm}, ramp={self.ramp}, iterations={self.iterations})"
+        return (f"Recirculation({ps}, norm={self.norm}, ramp={self.ramp}, "
+                f"iterations={self.iterations})")
 
     def check(self, n_blocks: int) -> None:
         for p in self.paths:
