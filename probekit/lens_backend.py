@@ -10,6 +10,11 @@ through its ``update(k, v, layer_idx)`` method, and with ``attention_mask=None``
 builds the rectangular causal mask ``query i -> keys 0 .. cached + i`` itself, which is
 exactly what a right-padded chunk on a cache needs.
 
+Fast path: when no hook is attached anywhere on the bridge (checked when a run
+starts), blocks run :func:`probekit.llama_block.llama_block` on the same weights,
+which skips the bridge's per-hook-point Python; with any hook attached, every block
+goes through the bridge so all hook points fire. ``fast=False`` disables it.
+
 Trap (DESIGN.md): transformers 5.24 renamed the attention keyword
 ``past_key_values`` to ``cache`` and the TL 4.3 bridge then silently never fills the
 cache; ``pyproject.toml`` pins ``transformers<5.24`` and
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -27,12 +33,13 @@ from torch import Tensor
 
 from probekit.backend import Backend
 from probekit.kv_cache import KVCache
+from probekit.llama_block import block_weights, llama_block
 
 
 class LensBackend(Backend):
     name = "lens"
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, fast: bool = True) -> None:
         from transformer_lens.model_bridge import TransformerBridge
 
         # boot logs alias deprecations and config notes at WARNING; they are noise here.
@@ -53,6 +60,9 @@ class LensBackend(Backend):
         self.vocab_size = cfg.vocab_size
         self._blocks = list(bridge.blocks)
         self._rotary_cache: tuple[Tensor, Tensor] | None = None
+        weights = [block_weights(b, cfg) for b in self._blocks] if fast else []
+        self._fast_weights = weights if weights and all(w is not None for w in weights) else None
+        self._use_fast = False
 
     def embed(self, input_ids: Tensor) -> Tensor:
         return self.bridge.embed(input_ids)
@@ -73,6 +83,8 @@ class LensBackend(Backend):
         return self._rotary_cache
 
     def run_block(self, block: int, resid: Tensor, pos: Any, cache: KVCache) -> Tensor:
+        if self._use_fast:
+            return llama_block(resid, self._fast_weights[block], *pos, cache, block)
         out = self._blocks[block](
             resid, attention_mask=None, past_key_values=cache, use_cache=True,
             position_embeddings=pos,
@@ -82,5 +94,16 @@ class LensBackend(Backend):
     def unembed(self, resid: Tensor) -> Tensor:
         return self.bridge.unembed(self.bridge.ln_final(resid))
 
+    @contextmanager
     def hooks(self, fwd_hooks: Iterable[tuple[Any, Callable]]):
-        return self.bridge.hooks(fwd_hooks=list(fwd_hooks))
+        with self.bridge.hooks(fwd_hooks=list(fwd_hooks)):
+            self._use_fast = self._fast_weights is not None and not self._any_hook()
+            try:
+                yield
+            finally:
+                self._use_fast = False
+
+    def _any_hook(self) -> bool:
+        """True if any hook (the user's or one left attached by hand) is on the bridge."""
+        return any(hp._forward_hooks or hp._forward_pre_hooks or hp._backward_hooks
+                   or hp._backward_pre_hooks for hp in self.bridge.hook_dict.values())

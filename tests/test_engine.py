@@ -8,6 +8,7 @@ import itertools
 import pytest
 import torch
 
+from probekit.engine import StepEngine
 from probekit.recirculation import Recirculation, RecirculationPath, mix
 from probekit.reference import reference_recirculation
 
@@ -321,3 +322,28 @@ def test_default_model_engine_equals_reference(default_model, default_engine):
     assert (fast - ref).abs().max() < 1e-4
     base, _ = hf_log_probs(default_model, torch.tensor([ids]))
     assert (fast - base[0]).abs().max() > 1e-3  # and recirculation did something
+
+
+# ------------------------------------------------------ fast path vs bridge path
+def test_fast_block_path_equals_the_bridge(tiny_model, tiny_engine, monkeypatch):
+    """Without hooks, blocks run probekit.llama_block on the bridge's weights; it must
+    equal the bridge's own computation, and hooks must switch it off."""
+    from probekit import lens_backend
+    from probekit.lens_backend import LensBackend
+
+    bridge_engine = StepEngine(tiny_model, LensBackend(tiny_model, fast=False))
+    ids = random_ids(2, 12, seed=11)
+    rec = Recirculation(4, 1, alpha=0.5, iterations=2)
+    calls = []
+    real = lens_backend.llama_block
+    monkeypatch.setattr(lens_backend, "llama_block", lambda *a: calls.append(1) or real(*a))
+    for block_size in (1, 5):
+        fast = tiny_engine.run(ids, rec, block_size=block_size, return_logits=True)
+        assert calls, "the fast path was not used"
+        slow = bridge_engine.run(ids, rec, block_size=block_size, return_logits=True)
+        assert torch.allclose(fast.logits, slow.logits, atol=ATOL)
+    calls.clear()
+    fired = []
+    tiny_engine.run(ids, rec, fwd_hooks=[("blocks.2.hook_resid_post",
+                                          lambda x, hook=None: fired.append(1) or x)])
+    assert fired and not calls  # a hook anywhere -> every block through the bridge
