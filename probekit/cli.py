@@ -17,6 +17,8 @@ COMMANDS = (
     "probekit.lag",
     "probekit.sweep",
     "probekit.run_command",
+    "probekit.feedback_training",
+    "probekit.stability",
 )
 
 

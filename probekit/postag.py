@@ -3,6 +3,7 @@
     python -m probekit.postag              # offline tagger setup; prints where
     from probekit.postag import token_tags
     tags = token_tags(window)              # universal tag per model token, None for BOS
+    tags = token_tags(window, document_text=docs[window.doc_index].text)  # edges in context
 
 Tagger (offline, DESIGN.md "Data"): stock ``nltk`` tagging needs the resource
 ``averaged_perceptron_tagger_eng``, normally fetched with ``nltk.download``. The
@@ -46,6 +47,12 @@ SmolLM2/GPT-2 token ``"Ġdogs"``, whose span includes the leading space, belongs
 ``dogs``; the pieces of a long word split into several tokens all belong to it; a
 token that straddles two words (``"Ġdon"`` over ``do`` + ``n't``) belongs to the one
 it covers more of.
+
+Context: ``token_tags(window)`` tags the window's text alone, so a sentence cut by the
+window's edges reaches the tagger as a fragment (and a word cut by the edge as a
+different word). ``token_tags(window, document_text=doc.text)`` tags the whole
+paragraphs the window overlaps instead; sentences never cross a blank line, so each
+sentence is then tagged exactly as tagging the whole document would tag it.
 """
 
 from __future__ import annotations
@@ -140,7 +147,7 @@ def ensure_tagger(data_dir: str | Path | None = None) -> Path:
         pickle_path = _find_pickle()
         if pickle_path is not None:
             weights, tagdict, classes = _load_pickle(pickle_path)
-            for name, obj in zip(TAGGER_FILES, (weights, tagdict, sorted(classes))):
+            for name, obj in zip(TAGGER_FILES, (weights, tagdict, sorted(classes)), strict=True):
                 _atomic_write(tagger_dir / name, json.dumps(obj))
         elif not _nltk_has(f"{TAGGER_RESOURCE}/"):
             raise TaggerNotFoundError(
@@ -268,7 +275,8 @@ def word_spans(text: str) -> list[list[tuple[int, int, str]]]:
         except ValueError:  # NLTK's post-hoc span alignment can fail on odd quoting
             spans = [m.span() for m in _FALLBACK_WORD.finditer(sentence)]
             tokens = [_BRACKETS.get(sentence[a:b], sentence[a:b]) for a, b in spans]
-        sentences.append([(s_start + a, s_start + b, tok) for (a, b), tok in zip(spans, tokens)])
+        sentences.append([(s_start + a, s_start + b, tok)
+                          for (a, b), tok in zip(spans, tokens, strict=True)])
     return sentences
 
 
@@ -285,7 +293,7 @@ def tag_text(text: str) -> list[TaggedWord]:
     for sentence in word_spans(text):
         tags = tagger.tag([tok for _, _, tok in sentence])
         out += [TaggedWord(a, b, text[a:b], penn, map_tag("en-ptb", "universal", penn))
-                for (a, b, _), (_, penn) in zip(sentence, tags)]
+                for (a, b, _), (_, penn) in zip(sentence, tags, strict=True)]
     return out
 
 
@@ -321,20 +329,58 @@ def noun_number_tag(penn: str, universal: str) -> str:
     return universal
 
 
-def token_tags(window: Window, *, noun_number: bool = False) -> list[str | None]:
-    """Universal tag of each model token of ``window`` (``None`` for BOS / unaligned).
+def token_words(window: Window, document_text: str | None = None) -> list[TaggedWord | None]:
+    """The tagged word each model token of ``window`` belongs to (``None``: BOS / unaligned).
 
-    The window's text is tagged on its own (its first sentence may be cut). With
-    ``noun_number`` nouns are split into ``NOUN.sg`` and ``NOUN.pl`` (the paper's
-    singular/plural comparison).
+    Without ``document_text`` the window's text is tagged on its own, so a sentence (or a
+    word) cut by the window's edges is tagged as a fragment. With the text of the
+    window's document, the whole paragraphs (blank-line separated, which are sentence
+    boundaries anyway) that the window overlaps are tagged instead: every sentence is
+    then tagged exactly as tagging the whole document would tag it, at the cost of a few
+    extra sentences. Spans in the result are document offsets when ``document_text`` is
+    given, else offsets into ``window.text``.
     """
-    words = tag_text(window.text)
-    offset = window.text_start
+    if document_text is None:
+        text, offset = window.text, window.text_start
+    else:
+        text_end = window.text_start + len(window.text)
+        if document_text[window.text_start:text_end] != window.text:
+            raise ValueError("document_text is not the window's document: pass "
+                             "documents[window.doc_index].text")
+        start, end = _paragraph_bounds(document_text, window.text_start, text_end)
+        text, offset = document_text[start:end], start
+    words = tag_text(text)
     index = align_tokens([(s - offset, e - offset) for s, e in window.char_spans],
                          [(w.start, w.end) for w in words])
-    tags = [noun_number_tag(w.penn, w.universal) if noun_number else w.universal
-            for w in words]
-    return [tags[i] if i >= 0 else None for i in index]
+    if document_text is not None:
+        words = [w._replace(start=w.start + offset, end=w.end + offset) for w in words]
+    return [words[i] if i >= 0 else None for i in index]
+
+
+_PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")  # the blank-line rule of _BOUNDARY
+
+
+def _paragraph_bounds(text: str, start: int, end: int) -> tuple[int, int]:
+    """``(a, b)``: the smallest run of whole paragraphs of ``text`` covering ``start:end``."""
+    a = 0
+    for m in _PARAGRAPH_BREAK.finditer(text, 0, start):
+        a = m.end()
+    m = _PARAGRAPH_BREAK.search(text, end)
+    return a, (m.start() if m else len(text))
+
+
+def token_tags(window: Window, *, noun_number: bool = False,
+               document_text: str | None = None) -> list[str | None]:
+    """Universal tag of each model token of ``window`` (``None`` for BOS / unaligned).
+
+    Without ``document_text`` the window's text is tagged on its own (its first
+    sentence may be cut); with it, whole paragraphs are tagged (see ``token_words``).
+    With ``noun_number`` nouns are split into ``NOUN.sg`` and ``NOUN.pl`` (the paper's
+    singular/plural comparison).
+    """
+    return [None if w is None else
+            noun_number_tag(w.penn, w.universal) if noun_number else w.universal
+            for w in token_words(window, document_text)]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
