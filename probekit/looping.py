@@ -1,0 +1,132 @@
+"""Looping baseline: run a range of blocks twice, training-free (paper Sec. 4.4.3, App. C.3).
+
+    from probekit.looping import Looping
+    result = Looping(4, 11).run(engine, token_ids)     # RunResult with .log_probs
+
+For ``l1 < l2`` (block indices, zero-based, ``0 <= l1 < l2 <= L-1``), a copy of blocks
+``l1+1 .. l2`` is inserted right after block ``l2`` (SEMANTICS.md "Looping baseline")::
+
+    embed -> blocks 0 .. l2 -> blocks l1+1 .. l2 (again) -> blocks l2+1 .. L-1 -> unembed
+
+so the output of block ``l2`` is fed back into block ``l1+1``: in the sweep heatmaps
+``l2`` plays the source's role and ``l1`` the destination's (paper Fig. 8). Unlike
+recirculation it is an ordinary (deeper) feed-forward stack, so it runs as ONE
+parallel forward over all positions.
+
+The duplicated blocks are new layers of the deeper stack and need their own keys and
+values: the second application of block ``b`` attends to its own second-application
+keys/values of earlier positions, not to the first application's. The engine's
+:class:`~probekit.kv_cache.KVCache` is indexed by block, so the copy writes into a
+second cache (one per copy) while blocks ``0 .. l2`` and ``l2+1 .. L-1`` use the first.
+
+Hooks: TransformerLens hook names fire for both applications of a block; inside a hook
+``engine.state.pass_index`` is 1 during the copy and 0 elsewhere.
+
+:func:`reference_looping` is the slow check: Hugging Face's own forward of the model
+whose layer list is literally ``[0 .. l2, l1+1 .. l2, l2+1 .. L-1]``, one sequence at
+a time, no cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from probekit.engine import RunResult, StepEngine
+from probekit.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class Looping:
+    """Insert a copy of blocks ``l1+1 .. l2`` after block ``l2``.
+
+    Args:
+        l1: the block after which the looped range starts (plays the destination role).
+        l2: the last block of the looped range (plays the source role), ``l1 < l2``.
+    """
+
+    l1: int
+    l2: int
+
+    def __post_init__(self) -> None:
+        for name in ("l1", "l2"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"{name} must be an integer block index; got {v!r}")
+        if self.l1 < 0:
+            raise ValueError(f"l1 must be >= 0; got {self.l1}")
+        if self.l2 <= self.l1:
+            raise ValueError(f"l2 ({self.l2}) must be a deeper block than l1 ({self.l1}): "
+                             f"need 0 <= l1 < l2")
+
+    def check(self, n_blocks: int) -> None:
+        if self.l2 > n_blocks - 1:
+            raise ValueError(f"l2 = {self.l2} is out of range: this model has {n_blocks} blocks, "
+                             f"numbered 0..{n_blocks - 1}")
+
+    def block_order(self, n_blocks: int) -> list[int]:
+        """The looped stack as original block indices, e.g. ``[0, 1, 2, 1, 2, 3]``."""
+        self.check(n_blocks)
+        return [*range(self.l2 + 1), *range(self.l1 + 1, self.l2 + 1),
+                *range(self.l2 + 1, n_blocks)]
+
+    @torch.no_grad()
+    def run(
+        self,
+        engine: StepEngine,
+        input_ids: Tensor | Sequence[Sequence[int]],
+        *,
+        temperature: float = 1.0,
+        fwd_hooks: Iterable[tuple[Any, Callable]] = (),
+    ) -> RunResult:
+        """One parallel forward of the looped stack; ``log_probs`` as :meth:`StepEngine.run`."""
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0; got {temperature}")
+        self.check(engine.n_blocks)
+        ids, lengths = engine.batch(input_ids)
+        backend, L = engine.backend, engine.n_blocks
+        seq = ids.shape[1]
+        positions = torch.arange(seq)
+        pos = backend.prepare_positions(positions)
+        first, second = KVCache(L, seq), KVCache(L, seq)
+        with backend.hooks(fwd_hooks):
+            engine.state.positions, engine.state.pass_index = positions, 0
+            x = backend.embed(ids)
+            x, _ = backend.run_blocks(0, self.l2 + 1, x, pos, first)
+            engine.state.pass_index = 1
+            x, _ = backend.run_blocks(self.l1 + 1, self.l2 + 1, x, pos, second)
+            engine.state.pass_index = 0
+            x, _ = backend.run_blocks(self.l2 + 1, L, x, pos, first)
+            logits = backend.unembed(x)
+        engine.state.positions, engine.state.pass_index = None, 0
+        return RunResult(ids, lengths, score(logits, ids, lengths, temperature))
+
+
+def score(logits: Tensor, ids: Tensor, lengths: Tensor, temperature: float = 1.0) -> Tensor:
+    """``[batch, seq-1]`` ``log p(x[t+1] | logits at t)``, NaN where ``t+1`` is padding."""
+    lp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    got = lp.gather(-1, ids[:, 1:, None])[..., 0]
+    valid = torch.arange(1, ids.shape[1])[None, :] < lengths[:, None]
+    return torch.where(valid, got, torch.full_like(got, float("nan")))
+
+
+@torch.no_grad()
+def reference_looping(model, tokens: Sequence[int], looping: Looping) -> Tensor:
+    """``[len-1]`` log-probs of one sequence through Hugging Face's forward of the looped
+    layer list (no cache; the original layer list is restored afterwards)."""
+    hf = model.hf_model
+    inner = hf.model
+    order = looping.block_order(hf.config.num_hidden_layers)
+    layers, n = inner.layers, hf.config.num_hidden_layers
+    inner.layers = torch.nn.ModuleList([layers[b] for b in order])
+    hf.config.num_hidden_layers = len(order)
+    try:
+        logits = hf(torch.tensor([list(tokens)]), use_cache=False).logits[0]
+    finally:
+        inner.layers, hf.config.num_hidden_layers = layers, n
+    lp = torch.log_softmax(logits[:-1].float(), dim=-1)
+    return lp.gather(-1, torch.tensor(list(tokens))[1:, None])[:, 0]

