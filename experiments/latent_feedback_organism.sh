@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PROBEKIT=${PROBEKIT:-probekit}  # run inside the venv (or set PROBEKIT)
 RUN=${RUN:-runs/latent-feedback-organism}
-STEPS=${STEPS:-1000}
+STEPS=${STEPS:-800}
 
 # 1. train (resumes from $RUN/train/checkpoint if interrupted)
 "$PROBEKIT" train-feedback --mode organism --steps "$STEPS" ${TRAIN_ARGS:-} --threads 1 \
@@ -25,8 +25,8 @@ CKPT="$RUN/train/checkpoint"
 
 # 2. state tracking through the shared pipeline (paper's probe: 4-fold grouped CV)
 "$PROBEKIT" run state-tracking --mechanism latent-feedback --checkpoint "$CKPT" \
-    --recurrence none,last-k,full --k 1 --task completion memory --examples 192 \
-    --distractors 0 8 32 --threads 1 --run-dir "$RUN/state-tracking"
+    --recurrence none,last-k,full --k 1 --task completion memory --examples 256 \
+    --distractors 0 8 --threads 1 --run-dir "$RUN/state-tracking"
 
 # 3. stability of the feedback map over many fused passes (Fig. 3)
 "$PROBEKIT" feedback-stability --checkpoint "$CKPT" --passes 32 --threads 1 \

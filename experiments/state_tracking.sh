@@ -2,10 +2,10 @@
 # State tracking with recirculation on the default model (latent-feedback paper Sec. 4.4,
 # Fig. 7, App. F): the headline command. Regenerates figures/state-tracking-completion.png
 # and figures/state-tracking-completion.json. Measured on the shared 2-core CPU box with
-# --threads 1 under load ~6-7: ~10.5 min wall (~4.5 min of CPU); see docs/state-tracking.md.
+# --threads 1 under load ~5-6: ~8 min wall (~4 min of CPU); see docs/state-tracking.md.
 #
 #   experiments/state_tracking.sh            # from the repository root
-#   SIZE=small experiments/state_tracking.sh # 32 short examples, ~2 minutes
+#   SIZE=small experiments/state_tracking.sh # 32 short examples, a couple of minutes
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROBEKIT=${PROBEKIT:-probekit}  # run inside the venv (or set PROBEKIT)

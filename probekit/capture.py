@@ -48,8 +48,8 @@ What the regimes mean for recirculation (SEMANTICS.md readout rule): the final t
 readout comes from its first pass, which depends only on *earlier* positions having
 recirculated. So
 
-- ``last-1`` equals ``none`` at the final token, exactly: the final position's own
-  second pass cannot reach its own readout (a test pins this);
+- ``last-1`` equals ``none`` at the final token (to float rounding): the final
+  position's own second pass cannot reach its own readout (a test pins this);
 - ``last-k`` lets the ``k - 1`` tokens before the final one recirculate;
 - blocks ``0 .. d`` keep first-pass keys/values everywhere, so the final token's
   residuals at depths ``0 .. d + 1`` are **the same under every regime** (up to float

@@ -636,7 +636,7 @@ def organism_data(tokenizer, *, tasks, n_examples: int, seed: int,
     pad = tokenizer.pad_token_id
     val_rows: list[list[int]] = []
     for name, data in probe_sets(tokenizer).items():
-        if name.split("-")[0] in tasks and not name.endswith("enlarged"):
+        if name in tasks:
             texts = [ex.text + " " + ex.label for ex in data.examples]
             val_rows += tokenizer(texts, add_special_tokens=False)["input_ids"]
     val_rows.sort(key=len)  # similar lengths per batch: less padding
@@ -661,7 +661,7 @@ def new_organism(organism_config, seed: int):
 MODE_DEFAULTS = {
     "gate": dict(steps=200, batch_size=4, lr=1e-3, warmup=20, eval_every=50, save_every=25,
                  answer_weight=1.0),
-    "organism": dict(steps=1000, batch_size=32, lr=3e-3, warmup=100, eval_every=200,
+    "organism": dict(steps=800, batch_size=32, lr=3e-3, warmup=100, eval_every=200,
                      save_every=100, answer_weight=20.0),
 }
 
@@ -685,7 +685,7 @@ def add_cli(sub) -> None:
                    help="probability of a random plain prefix per row in passes > 1")
     g.add_argument("--jitter", type=float, default=0.02, help="sigma of the state jitter")
     o = p.add_argument_group("optimisation (defaults depend on --mode)")
-    o.add_argument("--steps", type=int, help="total optimizer steps (gate 200, organism 1000)")
+    o.add_argument("--steps", type=int, help="total optimizer steps (gate 200, organism 800)")
     o.add_argument("--batch-size", type=int, help="sequences per step (gate 4, organism 32)")
     o.add_argument("--seq-len", type=int, default=128, help="tokens per window (gate mode)")
     o.add_argument("--lr", type=float, help="peak learning rate (gate 1e-3, organism 3e-3)")

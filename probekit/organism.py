@@ -10,10 +10,10 @@ probekit trains its own latent-feedback model, small enough for a CPU in minutes
   token, so ``" done"`` / ``" zero"`` are single tokens as the tasks require;
 - a **Llama** (:class:`OrganismConfig`, default 4 blocks, ``d_model`` 128, 4 heads,
   tied embeddings as the paper recommends, Sec. 3.3 "shared input basis");
-- **training text** (:func:`training_examples`): task inputs followed by their label
-  word, drawn with other seeds than the probe sets (``make_task(..., seed=0)``), and
-  completion-tracking numeral pairs of those probe sets held out, so that task
-  accuracy on the probe sets is measured on unseen pairs.
+- **training text** (:func:`training_examples`): task inputs (0-8 null updates) followed
+  by their label word, drawn with other seeds than the probe sets (``make_task(...,
+  seed=0)``), and completion-tracking numeral pairs of those probe sets held out, so
+  that task accuracy on the probe sets is measured on unseen pairs.
 
 The organism is saved as an ordinary Hugging Face folder (``config.json``,
 ``model.safetensors``, tokenizer files), so ``probekit.load_model(<folder>)`` loads
@@ -173,14 +173,26 @@ def completion_pairs(data: Dataset) -> set[frozenset[int]]:
     return out
 
 
-def probe_sets(tokenizer) -> dict[str, Dataset]:
-    """The probe datasets the experiments use: ``make_task(name, tok, seed=0)``, default
-    and enlarged sizes (the training text holds out their numeral pairs)."""
-    return {
-        "completion": make_task("completion", tokenizer),
-        "completion-enlarged": make_task("completion", tokenizer, enlarged=True),
-        "memory": make_task("memory", tokenizer),
-    }
+#: Distractor counts of the organism's probe sets (also ``probekit run state-tracking``'s
+#: default); the organism trains on 0..8, so longer inputs would test length generalisation.
+PROBE_DISTRACTORS = (0, 8)
+
+
+def probe_sets(tokenizer, distractors: Sequence[int] = PROBE_DISTRACTORS) -> dict[str, Dataset]:
+    """The probe datasets of the organism's tasks: ``make_task(name, tok, seed=0)`` with
+    ``distractors`` (default sizes)."""
+    return {name: make_task(name, tokenizer, distractors=tuple(distractors))
+            for name in TRAIN_TASKS}
+
+
+def held_out_pairs(tokenizer) -> set[frozenset[int]]:
+    """Completion numeral pairs that seed-0 probe sets can use (16, 32, 64 or 80 groups:
+    the default, ``--examples 128/256/512`` of state-tracking, the enlarged set)."""
+    out: set[frozenset[int]] = set()
+    for n in (16, 32, 64, 80):
+        out |= completion_pairs(completion_dataset(tokenizer, n_groups=n, distractors=(0,),
+                                                   seed=0))
+    return out
 
 
 def training_examples(
@@ -188,7 +200,7 @@ def training_examples(
     tasks: Sequence[str] = TRAIN_TASKS,
     *,
     n_examples: int = 12000,
-    distractors: Sequence[int] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32),
+    distractors: Sequence[int] = (0, 1, 2, 3, 4, 6, 8),
     seed: int = 1,
 ) -> list[list[int]]:
     """Token ids of ``n_examples`` training sequences (task input + ``" " + label``).
@@ -200,11 +212,7 @@ def training_examples(
     unknown = sorted(set(tasks) - set(TRAIN_TASKS))
     if unknown:
         raise ValueError(f"organism tasks must be among {TRAIN_TASKS}; got {unknown}")
-    held_out: set[frozenset[int]] = set()
-    if "completion" in tasks:
-        for name, data in probe_sets(tokenizer).items():
-            if name.startswith("completion"):
-                held_out |= completion_pairs(data)
+    held_out = held_out_pairs(tokenizer) if "completion" in tasks else set()
     per_task = -(-n_examples // len(tasks))
     texts: list[str] = []
     for i, name in enumerate(tasks):
@@ -235,7 +243,7 @@ def task_accuracy(model, gate, tasks: Sequence[str] = TRAIN_TASKS,
                   regimes: Sequence[str] = ("none", "last-1", "full"),
                   *, batch_size: int = 64) -> dict[str, dict[str, float]]:
     """Accuracy of the label prediction at the final colon of each probe set
-    (``make_task(task, tokenizer)``, seed 0), per prefill regime: the label word with the
+    (:func:`probe_sets`), per prefill regime: the label word with the
     larger logit among the task's label words must be the example's label."""
     from probekit.engine import StepEngine
     from probekit.latent_feedback import prefill
@@ -244,8 +252,9 @@ def task_accuracy(model, gate, tasks: Sequence[str] = TRAIN_TASKS,
     engine = StepEngine(model)
     tok = model.tokenizer
     out: dict[str, dict[str, float]] = {}
+    sets = probe_sets(tok)
     for task in tasks:
-        data = make_task(task, tok)
+        data = sets[task]
         label_ids = torch.tensor(label_token_ids(tok, data.label_words))
         rows = tok(data.texts, add_special_tokens=False)["input_ids"]
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))

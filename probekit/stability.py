@@ -21,9 +21,9 @@ on sequences of ``T`` tokens:
   ``t >= n`` only (never exact within the run), which needs ``T > n``.
 
 Data: for an organism checkpoint, the longest rows of its probe sets (completion,
-memory; label words appended; with the default distractors 0/8/32 these are the
-163-token delayed-memory rows), also reporting the label accuracy of every pass; for a
-gate checkpoint, Wikipedia windows of the model's tokens.
+memory with 0 or 8 null updates, label words appended: the 67-token delayed-memory
+rows), also reporting the label accuracy of every pass; for a gate checkpoint,
+Wikipedia windows of the model's tokens.
 """
 
 from __future__ import annotations
@@ -133,9 +133,7 @@ def organism_sequences(tokenizer, n_min: int) -> tuple[Tensor, Tensor]:
     from probekit.organism import probe_sets
 
     rows: list[list[int]] = []
-    for name, data in probe_sets(tokenizer).items():
-        if name.endswith("enlarged"):
-            continue
+    for data in probe_sets(tokenizer).values():
         texts = [ex.text + " " + ex.label for ex in data.examples]
         rows += tokenizer(texts, add_special_tokens=False)["input_ids"]
     lengths = np.array([len(r) for r in rows])

@@ -1,7 +1,13 @@
 """Layer sweeps: perplexity change over (source, destination) pairs (`probekit sweep`).
 
-    probekit sweep --pairs max-gap 8 --destinations 2:15:4 --alphas 0.07,0.1 \\
+    probekit sweep                              # 30 pairs, alpha 0.1, convex: ~10 min
+    probekit sweep --pairs max-gap 9 --destinations 7:17:3 --alphas 0.04,0.1,0.2 \\
         --norms convex,beta1,none --looping
+
+Defaults (small on purpose, for a 2-core CPU): pairs with ``source - destination <= 12``
+on a grid of step 3 (destinations 1, 4, 7, ...; gaps 3, 6, 9, 12: 30 pairs on the
+30-block default model), ``alpha = 0.1``, the convex scheme, 4 wiki windows of 128
+tokens. Measured: one 64-row engine run (16 cells) of 128 tokens takes ~4-5 min there.
 
 Implements ``papers/recirculation.md`` Sec. 4.1 (Fig. 5/6: heatmaps over source and
 destination for several ``alpha``), Sec. 4.3 / App. B.3 (normalisation schemes,
@@ -164,13 +170,15 @@ def parse_range(spec: str, what: str) -> range:
 
 
 def make_pairs(spec: str, n_blocks: int, *, destinations: range | None = None,
-               sources: range | None = None) -> list[tuple[int, int]]:
+               sources: range | None = None, step: int = 1) -> list[tuple[int, int]]:
     """``(source, destination)`` pairs, sorted by destination then source.
 
     Args:
         spec: ``"all"`` (every ``0 <= d < s <= L-1``), ``"max-gap:N"`` (``s - d <= N``)
             or an explicit list ``"11-4,12-4"`` (``source-destination``).
         destinations, sources: optional filters (ranges of block indices).
+        step: a coarser grid for ``all`` / ``max-gap``: destinations ``1, 1+step, ...``
+            and gaps ``step, 2 step, ...`` (1 keeps every pair; explicit lists ignore it).
     """
     spec = spec.strip().replace(" ", ":")
     all_pairs = [(s, d) for d in range(n_blocks) for s in range(d + 1, n_blocks)]
@@ -190,13 +198,17 @@ def make_pairs(spec: str, n_blocks: int, *, destinations: range | None = None,
     else:
         raise ValueError(f"--pairs {spec!r}: expected all, max-gap N, or a list like 11-4,12-4 "
                          f"(source-destination)")
+    if step < 1:
+        raise ValueError(f"--step must be >= 1; got {step}")
+    if step > 1 and not re.fullmatch(r"\d+-\d+(,\d+-\d+)*", spec):
+        pairs = [(s, d) for s, d in pairs if d % step == 1 % step and (s - d) % step == 0]
     if destinations is not None:
         pairs = [(s, d) for s, d in pairs if d in destinations]
     if sources is not None:
         pairs = [(s, d) for s, d in pairs if s in sources]
     if not pairs:
-        raise ValueError(f"--pairs {spec!r} with the --destinations/--sources filters selects no "
-                         f"pair on a model of {n_blocks} blocks")
+        raise ValueError(f"--pairs {spec!r} with --step {step} and the --destinations/--sources "
+                         f"filters selects no pair on a model of {n_blocks} blocks")
     return sorted(set(pairs), key=lambda p: (p[1], p[0]))
 
 
@@ -313,7 +325,7 @@ def run_sweep(
         out[c.key] = collect(c.key)
 
     for lo in tqdm(loops, desc="looping", disable=not progress or not loops):
-        kind = f"loop-l1{lo.l1:03d}-l2{lo.l2:03d}"
+        kind = loop_key(lo.l2, lo.l1)
         for w0, w1 in batches:
             if not run.has_part(unit_key(kind, w0)):
                 lp = lo.run(engine, windows[w0:w1]).log_probs
@@ -323,6 +335,7 @@ def run_sweep(
 
 
 def loop_key(source: int, destination: int) -> str:
+    """Part/result key of looping with ``l2 = source``, ``l1 = destination``."""
     return f"loop-l1{destination:03d}-l2{source:03d}"
 
 
@@ -475,9 +488,13 @@ def add_cli(subparsers) -> None:
         description="Percentage perplexity change against the plain model for every "
                     "(source, destination, alpha, scheme) cell; resumable.",
     )
-    p.add_argument("--pairs", nargs="+", default=["max-gap", "8"],
+    p.add_argument("--pairs", nargs="+", default=["max-gap", "12"],
                    help="all | max-gap N | explicit source-destination list 11-4,12-4 "
-                        "(default: max-gap 8)")
+                        "(default: max-gap 12)")
+    p.add_argument("--step", type=int, default=3,
+                   help="grid step for all / max-gap: destinations 1, 1+step, ... and gaps "
+                        "step, 2 step, ... (default 3: 30 pairs on the 30-block default "
+                        "model; 1 = every pair)")
     p.add_argument("--destinations", default=None,
                    help="only these destinations, a:b or a:b:step (b exclusive)")
     p.add_argument("--sources", default=None, help="only these sources, a:b or a:b:step")
@@ -490,7 +507,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--rows", type=int, default=64,
                    help="batch rows per recirculated run: cells x window batches packed "
                         "together (default 64; more rows amortise per-step overhead)")
-    add_corpus_args(p, windows=4, window_tokens=64)
+    add_corpus_args(p, windows=4, window_tokens=128)
     add_model_args(p)
     add_run_args(p)
     p.set_defaults(func=run_cli)
@@ -518,7 +535,8 @@ def run_cli(args) -> int:
             raise ValueError(f"--alphas: alpha must lie in [0, 1]; got {a}")
 
     model = load_model(args.model)
-    pairs = make_pairs(pairs_spec, model.n_blocks, destinations=dests, sources=srcs)
+    pairs = make_pairs(pairs_spec, model.n_blocks, destinations=dests, sources=srcs,
+                       step=args.step)
     cells = make_cells(pairs, alphas, schemes)
     windows = torch.tensor([w.input_ids for w in corpus_windows_from_args(args, model)])
     config = {

@@ -58,6 +58,10 @@ def test_make_pairs():
     assert {d for _, d in gap} == {2, 6, 10, 14} and all(1 <= s - d <= 3 for s, d in gap)
     assert make_pairs("11-4,5-4", 30) == [(5, 4), (11, 4)]  # sorted by destination, source
     assert make_pairs("all", 6, sources=range(5, 6)) == [(5, d) for d in range(5)]
+    coarse = make_pairs("max-gap 12", 30, step=3)  # the CLI default grid
+    assert len(coarse) == 30 and (4, 1) in coarse and (28, 25) in coarse
+    assert all(d % 3 == 1 and (s - d) % 3 == 0 and s - d <= 12 for s, d in coarse)
+    assert make_pairs("11-4,12-4", 30, step=3) == [(11, 4), (12, 4)]  # explicit: no grid
     with pytest.raises(ValueError, match="pair 4-11: need 0 <= destination < source"):
         make_pairs("4-11", 30)
     with pytest.raises(ValueError, match="expected all, max-gap N, or a list"):
