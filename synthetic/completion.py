@@ -60,7 +60,9 @@ def completion_dataset(
     """
     all_pairs = list(combinations(sorted(set(numerals)), 2))
     if not 1 <= n_groups <= len(all_pairs):
-        raise ValueError(f"n_groups must be in 1..{len(all_pairs)} for these numerals; got {n_groups}")
+        raise ValueError(
+            f"n_groups must be in 1..{len(all_pairs)} for these numerals; got {n_groups}"
+        )
     rng = np.random.default_rng(seed)
     chosen = rng.choice(len(all_pairs), size=n_groups, replace=False)
     examples: list[Example] = []

@@ -78,7 +78,9 @@ def _completion(tokenizer: Any, *, n_examples: int | None, seed: int,
                 distractors: int | Sequence[int] | None, enlarged: bool, **options: Any) -> Dataset:
     counts = _counts(distractors, enlarged)
     n_groups = _n_groups("completion", n_examples, 4 * len(counts), 80 if enlarged else 16)
-    return completion_dataset(tokenizer, n_groups=n_groups, distractors=counts, seed=seed, **options)
+    return completion_dataset(
+        tokenizer, n_groups=n_groups, distractors=counts, seed=seed, **options
+    )
 
 
 def _memory(tokenizer: Any, *, n_examples: int | None, seed: int,

