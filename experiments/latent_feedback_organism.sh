@@ -17,10 +17,14 @@ cd "$(dirname "$0")/.."
 PROBEKIT=${PROBEKIT:-probekit}  # run inside the venv (or set PROBEKIT)
 RUN=${RUN:-runs/latent-feedback-organism}
 STEPS=${STEPS:-800}
+FEEDBACK_START=${FEEDBACK_START:-300}
 
-# 1. train (resumes from $RUN/train/checkpoint if interrupted)
-"$PROBEKIT" train-feedback --mode organism --steps "$STEPS" ${TRAIN_ARGS:-} --threads 1 \
-    --run-dir "$RUN/train"
+# 1. train (resumes from $RUN/train/checkpoint if interrupted): the plain objective for
+#    the first 300 steps (the paper introduces feedback passes mid-training), then
+#    one/two/three passes with probabilities 0.5/0.35/0.15 (more multi-pass batches than
+#    the paper's 0.75/0.22/0.03: this run is ~500 feedback steps, not 200B tokens)
+"$PROBEKIT" train-feedback --mode organism --steps "$STEPS" --feedback-start "$FEEDBACK_START" \
+    --schedule 0.5,0.35,0.15 ${TRAIN_ARGS:-} --threads 1 --run-dir "$RUN/train"
 CKPT="$RUN/train/checkpoint"
 
 # 2. state tracking through the shared pipeline (paper's probe: 4-fold grouped CV)

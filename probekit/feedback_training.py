@@ -6,6 +6,7 @@
 One training step (App. C, Fig. 9) on a batch of token ids ``x`` ``[B, T]``::
 
     K ~ schedule                           # passes this batch, e.g. 75% 1, 22% 2, 3% 3
+                                           # (K = 1 before --feedback-start)
     e = embed(x);  h(1) = model(e)         # pass 1: the plain model
     for k = 2 .. K:
         s = shift_right(h(k-1) + U[-sigma, sigma])      # jitter on the carried state
@@ -81,6 +82,9 @@ class TrainConfig:
         warmup: linear warm-up steps.
         lam: ``lambda`` of Eq. 12 (paper: 1).
         schedule: probability of 1, 2, 3, ... passes per batch (paper: 0.75/0.22/0.03).
+        feedback_start: steps before this one use a single pass (the plain objective);
+            the paper introduces feedback passes mid-training (Sec. 3.3, "When to
+            introduce feedback passes").
         mixin: probability that a row gets a random plain prefix in passes > 1.
         jitter: ``sigma`` of the uniform noise on the carried state (Eq. 13).
         grad_clip: gradient-norm clip (0: none).
@@ -101,6 +105,7 @@ class TrainConfig:
     warmup: int = 100
     lam: float = 1.0
     schedule: tuple[float, ...] = (0.75, 0.22, 0.03)
+    feedback_start: int = 0
     mixin: float = 0.5
     jitter: float = 0.02
     grad_clip: float = 1.0
@@ -116,7 +121,7 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer; got {v!r}")
-        for name in ("warmup", "eval_every", "seed"):
+        for name in ("warmup", "eval_every", "seed", "feedback_start"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0; got {v!r}")
@@ -530,7 +535,7 @@ def train(
     for step in bar:
         g = step_generator(config.seed, step)
         ids, valid = data.batch(config.batch_size, g)
-        K = draw_passes(config.schedule, g)
+        K = draw_passes(config.schedule, g) if step >= config.feedback_start else 1
         lr = lr_at(step, config)
         for group in opt.param_groups:
             group["lr"] = lr
@@ -660,9 +665,9 @@ def new_organism(organism_config, seed: int):
 # --------------------------------------------------------------------------- CLI
 MODE_DEFAULTS = {
     "gate": dict(steps=200, batch_size=4, lr=1e-3, warmup=20, eval_every=50, save_every=25,
-                 answer_weight=1.0),
+                 answer_weight=1.0, feedback_start=0),
     "organism": dict(steps=800, batch_size=32, lr=3e-3, warmup=100, eval_every=200,
-                     save_every=100, answer_weight=20.0),
+                     save_every=100, answer_weight=20.0, feedback_start=300),
 }
 
 
@@ -681,6 +686,8 @@ def add_cli(sub) -> None:
     g.add_argument("--lam", type=float, default=1.0, help="lambda of Eq. 12 (default 1)")
     g.add_argument("--schedule", default="0.75,0.22,0.03",
                    help="probabilities of 1,2,3,... passes per batch (default 0.75,0.22,0.03)")
+    g.add_argument("--feedback-start", type=int,
+                   help="train with one pass only before this step (gate 0, organism 300)")
     g.add_argument("--mixin", type=float, default=0.5,
                    help="probability of a random plain prefix per row in passes > 1")
     g.add_argument("--jitter", type=float, default=0.02, help="sigma of the state jitter")
@@ -728,7 +735,7 @@ def config_from_args(args) -> TrainConfig:
         mode=args.mode, steps=pick("steps"), batch_size=pick("batch_size"), seq_len=args.seq_len,
         lr=pick("lr"), weight_decay=args.weight_decay, warmup=pick("warmup"), lam=args.lam,
         schedule=schedule, mixin=args.mixin, jitter=args.jitter, grad_clip=args.grad_clip,
-        answer_weight=pick("answer_weight"),
+        answer_weight=pick("answer_weight"), feedback_start=pick("feedback_start"),
         eval_every=pick("eval_every"), save_every=pick("save_every"), seed=args.seed,
     )
 
