@@ -11,18 +11,19 @@
 # See docs/latent-feedback.md for what was measured.
 #
 #   experiments/latent_feedback_organism.sh              # from the repository root
-#   STEPS=300 experiments/latent_feedback_organism.sh    # a shorter training run
+#   STEPS=800 FEEDBACK_START=300 experiments/latent_feedback_organism.sh   # ~5 min
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROBEKIT=${PROBEKIT:-probekit}  # run inside the venv (or set PROBEKIT)
 RUN=${RUN:-runs/latent-feedback-organism}
-STEPS=${STEPS:-800}
-FEEDBACK_START=${FEEDBACK_START:-300}
+STEPS=${STEPS:-1600}
+FEEDBACK_START=${FEEDBACK_START:-600}
 
-# 1. train (resumes from $RUN/train/checkpoint if interrupted): the plain objective for
-#    the first 300 steps (the paper introduces feedback passes mid-training), then
-#    one/two/three passes with probabilities 0.5/0.35/0.15 (more multi-pass batches than
-#    the paper's 0.75/0.22/0.03: this run is ~500 feedback steps, not 200B tokens)
+# 1. train (resumes from $RUN/train/checkpoint if interrupted; ~10 min at 1 thread): the
+#    plain objective for the first 600 steps (the paper introduces feedback passes
+#    mid-training), then one/two/three passes with probabilities 0.5/0.35/0.15 (more
+#    multi-pass batches than the paper's 0.75/0.22/0.03: this run has ~1000 feedback
+#    steps, not 200B tokens)
 "$PROBEKIT" train-feedback --mode organism --steps "$STEPS" --feedback-start "$FEEDBACK_START" \
     --schedule 0.5,0.35,0.15 ${TRAIN_ARGS:-} --threads 1 --run-dir "$RUN/train"
 CKPT="$RUN/train/checkpoint"

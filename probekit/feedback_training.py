@@ -527,6 +527,10 @@ def train(
         save_checkpoint(ckpt, gate=gate, model=model, config=config, step=step, optimizer=opt,
                         history=history, organism_config=organism_config)
 
+    if start == 0 and config.eval_every:  # where training starts from, for the curves
+        val = evaluate(hf, gate, data.val, max(3, config.max_passes))
+        history.append({"step": 0, "val_pass_losses": val["loss"],
+                        "val_last_token_accuracy": val["last_token_accuracy"], "time": 0.0})
     hf.train(config.mode == "organism")
     gate.train()
     bar = tqdm(range(start, config.steps), desc=f"train-feedback ({config.mode})", unit="step",
@@ -583,10 +587,11 @@ def plot_history(history: list[dict], title: str = ""):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    n = max((len(h["pass_losses"]) for h in history), default=1)
+    train_steps = [h for h in history if "pass_losses" in h]
+    n = max((len(h["pass_losses"]) for h in train_steps), default=1)
     for k in range(n):
         xs, ys, ema = [], [], None
-        for h in history:
+        for h in train_steps:
             if len(h["pass_losses"]) > k:
                 v = h["pass_losses"][k]
                 ema = v if ema is None else 0.95 * ema + 0.05 * v
@@ -594,7 +599,7 @@ def plot_history(history: list[dict], title: str = ""):
                 ys.append(ema)
         axes[0].plot(xs, ys, label=f"pass {k + 1}")
     axes[0].set(xlabel="step", ylabel="train loss (EMA)", yscale="log",
-                title="training loss by pass")
+                title="training loss by pass (answer-weighted)")
     axes[0].legend()
     val = [h for h in history if "val_pass_losses" in h]
     if val:
@@ -617,7 +622,13 @@ def gate_data(model, config: TrainConfig, *, n_windows: int = 2048,
     """Wikipedia windows of ``seq_len`` tokens; the last ``val_windows`` are held out."""
     from probekit.corpora import load_corpus, make_windows
 
-    docs = load_corpus("wiki")
+    docs, chars = [], 0
+    need = 8 * (n_windows + val_windows) * config.seq_len  # chars; ~4 per token, 2x spare
+    for doc in load_corpus("wiki"):  # tokenize only as much text as the windows need
+        docs.append(doc)
+        chars += len(doc.text)
+        if chars >= need:
+            break
     windows = make_windows(docs, model.tokenizer, config.seq_len, None, bos=False,
                            max_tokens=model.n_ctx)
     if len(windows) < val_windows + 1:
@@ -666,8 +677,8 @@ def new_organism(organism_config, seed: int):
 MODE_DEFAULTS = {
     "gate": dict(steps=200, batch_size=4, lr=1e-3, warmup=20, eval_every=50, save_every=25,
                  answer_weight=1.0, feedback_start=0),
-    "organism": dict(steps=800, batch_size=32, lr=3e-3, warmup=100, eval_every=200,
-                     save_every=100, answer_weight=20.0, feedback_start=300),
+    "organism": dict(steps=1600, batch_size=32, lr=3e-3, warmup=100, eval_every=200,
+                     save_every=100, answer_weight=20.0, feedback_start=600),
 }
 
 
@@ -687,12 +698,12 @@ def add_cli(sub) -> None:
     g.add_argument("--schedule", default="0.75,0.22,0.03",
                    help="probabilities of 1,2,3,... passes per batch (default 0.75,0.22,0.03)")
     g.add_argument("--feedback-start", type=int,
-                   help="train with one pass only before this step (gate 0, organism 300)")
+                   help="train with one pass only before this step (gate 0, organism 600)")
     g.add_argument("--mixin", type=float, default=0.5,
                    help="probability of a random plain prefix per row in passes > 1")
     g.add_argument("--jitter", type=float, default=0.02, help="sigma of the state jitter")
     o = p.add_argument_group("optimisation (defaults depend on --mode)")
-    o.add_argument("--steps", type=int, help="total optimizer steps (gate 200, organism 800)")
+    o.add_argument("--steps", type=int, help="total optimizer steps (gate 200, organism 1600)")
     o.add_argument("--batch-size", type=int, help="sequences per step (gate 4, organism 32)")
     o.add_argument("--seq-len", type=int, default=128, help="tokens per window (gate mode)")
     o.add_argument("--lr", type=float, help="peak learning rate (gate 1e-3, organism 3e-3)")

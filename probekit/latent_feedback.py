@@ -19,15 +19,18 @@ unit, and with tied embeddings it already lives in the embedding basis (the pape
 
 Position 0, and every position where feedback is off, gets the plain embedding.
 
-Initialisation (a fresh gate should be near-harmless): ``W_U = I`` and ``W_G = I``,
-and ``RMSNorm_u``'s weight starts at the per-dimension RMS of the model's embedding
-matrix (:meth:`FeedbackGate.for_model`), so a fused input has the scale of an ordinary
-token embedding instead of RMS 1 (SmolLM2's embeddings have RMS ~0.14; an input 7x too
-large wrecks the frozen model). With ``W_U = I`` the value pathway starts as the
-state the model just used to predict this very token (with tied weights that state
-points toward the predicted token's embedding), gated by the token's own normalised
-embedding; measured on SmolLM2-135M, this keeps a fresh gate's fused-pass loss far
-closer to the plain model than a random init does (numbers in docs/latent-feedback.md).
+Initialisation: ``W_U = I`` and ``W_G = I``, and ``RMSNorm_u``'s weight starts at the
+per-dimension RMS of the model's embedding matrix (:meth:`FeedbackGate.for_model`), so
+a fused input has the scale of an ordinary token embedding instead of RMS 1 (SmolLM2's
+embeddings have RMS ~0.14). With ``W_U = I`` the value pathway starts as the state the
+model just used to predict this very token (with tied weights it points toward the
+predicted token's embedding), gated by the token's own normalised embedding. That is
+as harmless as Eq. 4 allows, which is not much: the token enters only through the
+multiplicative gate, so no initialisation lets a frozen model read its input token
+before the gate is trained. Measured on SmolLM2-135M (docs/latent-feedback.md): a fresh
+gate's fused pass has a mean NLL of ~10.7 against the plain model's 3.0, about that of
+a uniform guess, and a random init is no better (10.4). The first pass (the readout of
+``none`` and of soft decoding's prompt) is untouched whatever the gate.
 
 The strategy (:class:`LatentFeedback`) plugs into :class:`probekit.StepEngine`. For a
 chunk of positions ``c0 .. c1-1``::

@@ -491,3 +491,55 @@ def test_mechanism_rejects_a_checkpoint_for_another_model(organism_checkpoint, t
     with pytest.raises(ValueError, match="holds a gate for d_model 32"):
         LatentFeedbackMechanism.from_args(Namespace(checkpoint=str(organism_checkpoint)),
                                           tiny_model)
+
+
+# ------------------------------------------------------------ the default model
+@pytest.mark.slow
+def test_default_model_jacobi_equals_full_and_soft_decoding_runs(default_model, default_engine):
+    gate = FeedbackGate.for_model(default_model, init="random", seed=0)
+    ids = default_model.tokenizer("The cat sat on the mat", return_tensors="pt").input_ids
+    T = ids.shape[1]
+    full = prefill(default_engine, ids, gate, "full", return_logits=True)
+    jac = prefill(default_engine, ids, gate, f"passes={T}", return_logits=True)
+    assert torch.allclose(jac.logits, full.logits, atol=2e-4)
+    with torch.no_grad():
+        plain = default_model.hf_model(ids).logits
+    assert torch.allclose(prefill(default_engine, ids, gate, "none", return_logits=True).logits,
+                          plain, atol=2e-4)
+    out = generate(default_engine, ids, gate=gate, regime="soft", max_new_tokens=3, eos=-1)
+    assert len(out.tokens[0]) == 3
+
+
+# ------------------------------------------------------------------ organism / CLI
+def test_organism_tokenizer_fits_every_task():
+    from probekit.organism import fit_tokenizer
+    from synthetic import make_task
+
+    tok = fit_tokenizer()
+    for word in ("done", "more", "zero", "one"):
+        assert len(tok(" " + word, add_special_tokens=False)["input_ids"]) == 1
+    ids = tok("required = 41\ncompleted = 97\nStatus:", add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == ["required", "=", "41", "\n", "completed", "=",
+                                              "97", "\n", "Status", ":"]
+    assert tok.unk_token_id not in ids
+    data = make_task("registers", tok)  # validates the task's invariants for tok
+    assert all(tok.unk_token_id not in r for r in tok(data.texts)["input_ids"])
+
+
+def test_train_feedback_cli_writes_and_resumes(tmp_path, capsys):
+    import json
+
+    from probekit.cli import main
+
+    args = ["train-feedback", "--mode", "gate", "--model", "tiny", "--batch-size", "2",
+            "--seq-len", "16", "--n-windows", "8", "--eval-every", "2", "--save-every", "1",
+            "--run-dir", str(tmp_path), "--no-progress"]
+    assert main(args + ["--steps", "2"]) == 0
+    assert main(args + ["--steps", "3"]) == 0
+    assert "resuming from" in capsys.readouterr().out
+    ck = json.loads((tmp_path / "checkpoint" / "config.json").read_text())
+    assert ck["step"] == 3 and ck["mode"] == "gate" and ck["model"]["name"] == "tiny"
+    assert (tmp_path / "loss_curves.png").is_file()
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
+    assert main(args + ["--steps", "3", "--schedule", "0.5,0.6"]) == 2
+    assert "schedule must be probabilities" in capsys.readouterr().err
