@@ -46,15 +46,14 @@ import bz2
 import hashlib
 import importlib.util
 import json
-import os
 import re
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import platformdirs
+from probekit.models import cache_dir
+from probekit.runs import write_text
 
 WIKI_DUMP = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 WIKI_FORMAT = 1  # bump when the clean-up below changes, to invalidate caches
@@ -150,14 +149,14 @@ def wiki_articles() -> list[tuple[str, str]]:
     """(title, plain text) of the gensim English Wikipedia sample, in dump order."""
     dump = _wiki_dump_path()
     key = hashlib.sha256(dump.read_bytes()).hexdigest()[:16]
-    cache = _cache_dir() / f"wiki-v{WIKI_FORMAT}-{key}.json"
+    cache = cache_dir() / f"wiki-v{WIKI_FORMAT}-{key}.json"
     if cache.is_file():
         try:
             return [(title, text) for title, text in json.loads(cache.read_text("utf-8"))]
         except (ValueError, TypeError):
             pass  # a damaged cache is rebuilt below
     articles = _parse_wiki_dump(dump)
-    _atomic_write_text(cache, json.dumps(articles, ensure_ascii=False))
+    write_text(cache, json.dumps(articles, ensure_ascii=False))
     return articles
 
 
@@ -170,22 +169,6 @@ def _wiki_dump_path() -> Path:
         raise FileNotFoundError(f"gensim's Wikipedia sample is missing ({path}): reinstall "
                                 "gensim from its wheel (pip install --force-reinstall gensim)")
     return path
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("PROBEKIT_CACHE_DIR") or platformdirs.user_cache_dir("probekit"))
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _parse_wiki_dump(dump: Path) -> list[tuple[str, str]]:

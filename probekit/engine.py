@@ -124,6 +124,22 @@ class RunResult:
         return self.log_probs[i, : int(self.lengths[i]) - 1]
 
 
+def target_log_probs(logits: Tensor, targets: Tensor, valid: Tensor, temperature: float = 1.0
+                     ) -> Tensor:
+    """``log_softmax(logits / temperature)`` at ``targets`` (``[batch, pos]``), NaN where not
+    ``valid``."""
+    lp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    got = lp.gather(-1, targets[..., None])[..., 0]
+    return torch.where(valid, got, torch.full_like(got, float("nan")))
+
+
+def score(logits: Tensor, ids: Tensor, lengths: Tensor, temperature: float = 1.0) -> Tensor:
+    """``[batch, seq-1]`` ``log p(x[t+1] | logits at t)`` of whole sequences ``ids``
+    (``logits`` ``[batch, seq, vocab]``), NaN where ``t+1`` is padding."""
+    valid = torch.arange(1, ids.shape[1])[None, :] < lengths[:, None]
+    return target_log_probs(logits[:, :-1], ids[:, 1:], valid, temperature)
+
+
 def chunk_bounds(block_size: int | Sequence[int], start: int, seq: int) -> list[tuple[int, int]]:
     """``[(c0, c1), ...]`` chunks covering ``start .. seq-1``."""
     if not 0 <= start < seq:
@@ -306,11 +322,9 @@ class StepEngine:
         t1 = min(c1, ids.shape[1] - 1)
         if t1 <= c0:
             return
-        lp = torch.log_softmax(logits[:, : t1 - c0].float() / temperature, dim=-1)
-        targets = ids[:, c0 + 1 : t1 + 1]
-        got = lp.gather(-1, targets[..., None])[..., 0]
         valid = torch.arange(c0 + 1, t1 + 1)[None, :] < lengths[:, None]
-        out[:, c0:t1] = torch.where(valid, got, torch.full_like(got, float("nan")))
+        out[:, c0:t1] = target_log_probs(logits[:, : t1 - c0], ids[:, c0 + 1 : t1 + 1], valid,
+                                         temperature)
 
     def forward(self, input_ids, *, temperature: float = 1.0, **kw) -> RunResult:
         """The plain model in one parallel forward (same maths, one chunk)."""

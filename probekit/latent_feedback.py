@@ -73,7 +73,7 @@ import torch
 from torch import Tensor, nn
 
 from probekit.capture import Mechanism
-from probekit.engine import Recurrence, Rerun, RunResult, Step, StepEngine
+from probekit.engine import Recurrence, Rerun, RunResult, Step, StepEngine, score
 
 __all__ = [
     "FeedbackGate",
@@ -400,15 +400,6 @@ def prefill(
     result.extras["state"] = rec.state if rec is not None else None
     result.extras["pass_index"] = p.pass_index
     return result
-
-
-@torch.no_grad()
-def score(logits: Tensor, ids: Tensor, lengths: Tensor, temperature: float = 1.0) -> Tensor:
-    """``[batch, seq-1]`` ``log p(x[t+1] | prediction at t)``, NaN where ``t+1`` is padding."""
-    lp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    got = lp.gather(-1, ids[:, 1:, None])[..., 0]
-    valid = torch.arange(1, ids.shape[1])[None, :] < lengths[:, None]
-    return torch.where(valid, got, torch.full_like(got, float("nan")))
 
 
 # ---------------------------------------------------------------------- reference

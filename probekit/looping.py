@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from probekit.engine import RunResult, StepEngine
+from probekit.engine import RunResult, StepEngine, score
 from probekit.kv_cache import KVCache
 
 
@@ -104,14 +104,6 @@ class Looping:
             logits = backend.unembed(x)
         engine.state.positions, engine.state.pass_index = None, 0
         return RunResult(ids, lengths, score(logits, ids, lengths, temperature))
-
-
-def score(logits: Tensor, ids: Tensor, lengths: Tensor, temperature: float = 1.0) -> Tensor:
-    """``[batch, seq-1]`` ``log p(x[t+1] | logits at t)``, NaN where ``t+1`` is padding."""
-    lp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    got = lp.gather(-1, ids[:, 1:, None])[..., 0]
-    valid = torch.arange(1, ids.shape[1])[None, :] < lengths[:, None]
-    return torch.where(valid, got, torch.full_like(got, float("nan")))
 
 
 @torch.no_grad()

@@ -65,12 +65,13 @@ import json
 import os
 import pickle
 import re
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import platformdirs
+
+from probekit.runs import write_text
 
 if TYPE_CHECKING:
     from probekit.corpora import Window
@@ -148,7 +149,7 @@ def ensure_tagger(data_dir: str | Path | None = None) -> Path:
         if pickle_path is not None:
             weights, tagdict, classes = _load_pickle(pickle_path)
             for name, obj in zip(TAGGER_FILES, (weights, tagdict, sorted(classes)), strict=True):
-                _atomic_write(tagger_dir / name, json.dumps(obj))
+                write_text(tagger_dir / name, json.dumps(obj))
         elif not _nltk_has(f"{TAGGER_RESOURCE}/"):
             raise TaggerNotFoundError(
                 f"the part-of-speech tagger {TAGGER_RESOURCE!r} is not installed: run "
@@ -159,7 +160,7 @@ def ensure_tagger(data_dir: str | Path | None = None) -> Path:
     map_text = "".join(f"{fine}\t{coarse}\n" for fine, coarse in _PTB_TO_UNIVERSAL.items())
     map_path = root / UNIVERSAL_MAP
     if not map_path.is_file() or map_path.read_text(encoding="utf-8") != map_text:
-        _atomic_write(map_path, map_text)
+        write_text(map_path, map_text)
     if str(root) in nltk.data.path:
         nltk.data.path.remove(str(root))
     nltk.data.path.insert(0, str(root))
@@ -197,19 +198,6 @@ def _nltk_has(resource: str) -> bool:
     except LookupError:
         return False
     return True
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @functools.cache

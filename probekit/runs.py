@@ -61,6 +61,11 @@ def _atomic_write(path: Path, write) -> None:
         raise
 
 
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically: a kill never leaves half a file."""
+    _atomic_write(Path(path), lambda f: f.write(text.encode("utf-8")))
+
+
 def write_json(path: Path, obj: Any) -> None:
     _atomic_write(Path(path), lambda f: f.write(
         json.dumps(obj, indent=2, sort_keys=True, default=_jsonable).encode()))
