@@ -33,7 +33,7 @@ import torch
 from transformers import DynamicCache
 
 from probekit import Recirculation, StepEngine, load_model
-from probekit.recirculation import mix
+from probekit.mechanisms.recirculation import mix
 
 CLOCK = time.process_time
 

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_lag.py [--window-tokens 256] [--max-lag 64]
         [--windows 1] [--fast-positions 8] [--naive-positions 1] [--threads 1]
 
-Both compute ``B(t, k)`` for ``k = 0 .. K`` (probekit/lag.py, SEMANTICS.md "Lag
+Both compute ``B(t, k)`` for ``k = 0 .. K`` (probekit/analysis/lag.py, SEMANTICS.md "Lag
 benefit") on the default model, for the same windows:
 
 - **naive**: the definition, one full token-by-token run of the ``T``-token window
@@ -11,7 +11,7 @@ benefit") on the default model, for the same windows:
   that favours the naive side). Its cost per ``t`` is ``T`` steps whatever ``t`` is,
   so it is timed on ``--naive-positions`` values of ``t`` and the mean is the per-``t``
   cost;
-- **fast**: :func:`probekit.lag.single_token_benefit`: per ``t``, one recirculated step
+- **fast**: :func:`probekit.analysis.lag.single_token_benefit`: per ``t``, one recirculated step
   and one plain step on a copy of the baseline cache, then one ``K+1``-token parallel
   forward (the baseline forward, shared by all ``t``, is counted once, amortised over
   the ``T - K - 1`` positions of a full analysis).
@@ -32,8 +32,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from probekit import Recirculation, StepEngine, load_model
-from probekit.corpora import load_corpus, make_windows
-from probekit.lag import single_token_benefit
+from probekit.data.corpora import load_corpus, make_windows
+from probekit.analysis.lag import single_token_benefit
 
 
 def main() -> None:

@@ -29,8 +29,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from probekit import StepEngine, load_model
-from probekit.generation import generate
-from probekit.latent_feedback import FeedbackGate, prefill
+from probekit.mechanisms.generation import generate
+from probekit.mechanisms.latent_feedback import FeedbackGate, prefill
 
 
 def best_of(fns: dict, repeats: int) -> dict:
@@ -57,7 +57,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     if args.checkpoint:
-        from probekit.feedback_training import load_checkpoint
+        from probekit.training.feedback import load_checkpoint
 
         ck = load_checkpoint(args.checkpoint)
         model, gate = ck.model, ck.gate
@@ -65,7 +65,7 @@ def main() -> None:
         model = load_model(args.model)
         gate = FeedbackGate.for_model(model)
     engine = StepEngine(model)
-    from probekit.corpora import load_corpus, make_windows
+    from probekit.data.corpora import load_corpus, make_windows
 
     window = make_windows(load_corpus("wiki"), model.tokenizer, args.prompt, 1, bos=False,
                           max_tokens=model.n_ctx)[0]

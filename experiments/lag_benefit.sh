@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Lag benefit of recirculating one token (paper Sec. 4.4.4, Fig. 9a,b) on the default model:
 # the mean change in log-likelihood at lag k (log axes) with its power-law fit, the (t, k)
-# map, and the early-position effect (t < 10). Exact fast path (probekit/lag.py).
+# map, and the early-position effect (t < 10). Exact fast path (probekit/analysis/lag.py).
 # Regenerates figures/lag_benefit.png and figures/lag_benefit.json.
 #
 # s=16, d=10, alpha=0.1: the setting of experiments/pos_attribution.sh (Fig. 9c), so that

@@ -9,10 +9,10 @@ Quick start::
     result = engine.run(token_ids, rec)                # log-probs of every position
 """
 
-from probekit.engine import Recurrence, RunResult, Step, StepEngine
-from probekit.kv_cache import KVCache
-from probekit.models import DEFAULT_MODEL, LoadedModel, ModelNotFoundError, load_model
-from probekit.recirculation import Recirculation, RecirculationPath
+from probekit.core.engine import Recurrence, RunResult, Step, StepEngine
+from probekit.core.kv_cache import KVCache
+from probekit.core.models import DEFAULT_MODEL, LoadedModel, ModelNotFoundError, load_model
+from probekit.mechanisms.recirculation import Recirculation, RecirculationPath
 
 __all__ = [
     "DEFAULT_MODEL",

@@ -2,7 +2,7 @@
 
 Every input ends at a shared colon whose next token would be the label word; a probe
 at that colon measures how much of the task state each residual depth holds
-(``probekit.probing``). Usage::
+(``probekit.analysis.probing``). Usage::
 
     from synthetic import make_task
     data = make_task("completion", tokenizer)          # Dataset

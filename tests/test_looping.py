@@ -1,4 +1,4 @@
-"""Looping baseline (probekit/looping.py) against SEMANTICS.md "Looping baseline"."""
+"""Looping baseline (probekit/mechanisms/looping.py) against SEMANTICS.md "Looping baseline"."""
 
 import os
 
@@ -7,8 +7,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest
 import torch
 
-from probekit.looping import Looping, reference_looping
-from probekit.models import load_model
+from probekit.mechanisms.looping import Looping, reference_looping
+from probekit.core.models import load_model
 
 torch.set_num_threads(1)
 
@@ -45,7 +45,7 @@ def test_duplicated_blocks_need_their_own_keys_and_values(tiny_engine, fresh_tin
     """Appending the copy's keys/values to the same cache as the first application is a
     different (wrong) model: the copy would also attend to the first application's
     keys/values. The test shows that this mistake is visible to the reference check."""
-    from probekit.kv_cache import KVCache
+    from probekit.core.kv_cache import KVCache
 
     seq = ragged_ids(1)[0]
     loop = Looping(1, 3)

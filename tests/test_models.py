@@ -1,4 +1,4 @@
-"""Tests for probekit.models: tiny models, error messages, and (slow) the default model.
+"""Tests for probekit.core.models: tiny models, error messages, and (slow) the default model.
 
 pytest tests/test_models.py -q              # everything, incl. one ~20-60 s GGUF load
 pytest tests/test_models.py -q -m "not slow"
@@ -16,8 +16,8 @@ import pytest
 import torch
 import transformers
 
-from probekit import models
-from probekit.models import (
+from probekit.core import models
+from probekit.core.models import (
     DEFAULT_MODEL,
     LoadedModel,
     ModelNotFoundError,

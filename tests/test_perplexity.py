@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from probekit.cli import main
-from probekit.perplexity import PerplexitySummary, bootstrap_ci, pct_change, perplexity
+from probekit.commands.main import main
+from probekit.analysis.perplexity import PerplexitySummary, bootstrap_ci, pct_change, perplexity
 
 
 def test_perplexity_and_pct_change():

@@ -1,4 +1,4 @@
-"""Part-of-speech attribution (probekit/pos_attribution.py) and its tagging context."""
+"""Part-of-speech attribution (probekit/analysis/pos_attribution.py) and its tagging context."""
 
 import os
 
@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from probekit import cli, postag
-from probekit.corpora import Document, make_windows
-from probekit.engine import Recurrence, StepEngine
-from probekit.pos_attribution import (
+from probekit.commands import main as cli
+from probekit.data import postag
+from probekit.data.corpora import Document, make_windows
+from probekit.core.engine import Recurrence, StepEngine
+from probekit.analysis.pos_attribution import (
     UNIVERSAL_TAGS,
     WindowTags,
     bootstrap_samples,
@@ -27,8 +28,8 @@ from probekit.pos_attribution import (
     tag_changes,
     window_bootstrap,
 )
-from probekit.recirculation import Recirculation
-from probekit.reference import reference_recirculation
+from probekit.mechanisms.recirculation import Recirculation
+from probekit.mechanisms.reference import reference_recirculation
 
 torch.set_num_threads(1)
 ATOL = 2e-5
@@ -182,7 +183,7 @@ def test_selective_changes_difference_is_paired():
 
 
 def test_plot_sorts_tags_and_leaves_out_rare_ones():
-    from probekit.pos_attribution import plot_tag_changes
+    from probekit.analysis.pos_attribution import plot_tag_changes
 
     rows = [{"tag": "all", "n_tokens": 100, "change": -1.0, "ci_low": -2.0, "ci_high": 0.0},
             {"tag": "ADV", "n_tokens": 30, "change": 1.0, "ci_low": None, "ci_high": None},
@@ -227,7 +228,7 @@ def test_window_tags_use_the_document_context(tiny_model):
 @pytest.fixture
 def run_cli(monkeypatch, tmp_path):
     # only this module's command: the test does not depend on other modules' state
-    monkeypatch.setattr(cli, "COMMANDS", ("probekit.pos_attribution",))
+    monkeypatch.setattr(cli, "COMMANDS", ("probekit.analysis.pos_attribution",))
     text_file = tmp_path / "sample.txt"
     text_file.write_text(TEXT, encoding="utf-8")
 
@@ -258,7 +259,7 @@ def test_command_end_to_end_and_resume(run_cli, tmp_path, monkeypatch, capsys):
     assert sum(r["n_tokens"] for t, r in rows.items() if t in UNIVERSAL_TAGS) == sum(
         int((p["universal"][1:] != "").sum()) for p in parts)
     # the recirculated run of each window is the engine's token-by-token run
-    from probekit.models import load_model
+    from probekit.core.models import load_model
 
     engine = StepEngine(load_model("tiny"))
     again = engine.run(torch.tensor(np.stack([p["input_ids"] for p in parts])),

@@ -1,4 +1,4 @@
-"""Offline PoS tagger setup, tagging and token-to-word alignment (probekit/postag.py)."""
+"""Offline PoS tagger setup, tagging and token-to-word alignment (probekit/data/postag.py)."""
 
 import os
 
@@ -10,9 +10,9 @@ import pickle
 import nltk
 import pytest
 
-from probekit import postag
-from probekit.corpora import Document, make_windows
-from probekit.postag import (
+from probekit.data import postag
+from probekit.data.corpora import Document, make_windows
+from probekit.data.postag import (
     TaggerNotFoundError,
     align_tokens,
     ensure_tagger,
@@ -207,7 +207,7 @@ def test_token_tags_of_a_window(nltk_root, smollm2_tokenizer):
 
 def test_token_tags_on_wiki_windows(nltk_root, smollm2_tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("PROBEKIT_CACHE_DIR", str(tmp_path))
-    from probekit.corpora import load_corpus
+    from probekit.data.corpora import load_corpus
 
     windows = make_windows(load_corpus()[:8], smollm2_tokenizer, 128, 8)
     for window in windows:

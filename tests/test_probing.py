@@ -12,7 +12,7 @@ import pytest
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 
-from probekit.probing import DepthProbe, grouped_folds
+from probekit.analysis.probing import DepthProbe, grouped_folds
 
 
 def toy(n_groups=64, n_depths=4, d_model=64, strength=1.0, seed=0):

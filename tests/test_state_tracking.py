@@ -1,4 +1,4 @@
-"""The state-tracking pipeline and ``probekit run state-tracking`` (probekit.state_tracking).
+"""The state-tracking pipeline and ``probekit run state-tracking`` (probekit.analysis.state_tracking).
 
 The synthetic tasks need label words that are single tokens, which the byte-level
 ``tiny`` models cannot give, so the fast tests use a tiny random Llama that carries the
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from probekit.capture import RecirculationMechanism
-from probekit.cli import main
-from probekit.state_tracking import (
+from probekit.analysis.capture import RecirculationMechanism
+from probekit.commands.main import main
+from probekit.analysis.state_tracking import (
     StateTrackingConfig,
     build_datasets,
     plan_batches,
@@ -56,7 +56,7 @@ def word_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def word_model(word_model_dir):
-    from probekit.models import load_model
+    from probekit.core.models import load_model
 
     return load_model(word_model_dir)
 
@@ -85,7 +85,7 @@ def test_batches_hold_one_length_and_whole_pairs():
 def test_pipeline_invariants(word_model):
     """Depth 0 is at chance under every recirculation regime (same final token, and
     recirculation never changes the model input); depths 0..d+1 do not change at all."""
-    from probekit.engine import StepEngine
+    from probekit.core.engine import StepEngine
 
     engine = StepEngine(word_model)
     mech = RecirculationMechanism(2, 0, alpha=0.5)
@@ -116,7 +116,7 @@ def test_pipeline_invariants(word_model):
 
 
 def test_probing_a_later_pass_skips_patching(word_model):
-    from probekit.engine import StepEngine
+    from probekit.core.engine import StepEngine
 
     engine = StepEngine(word_model)
     config = StateTrackingConfig(tasks=("completion",), regimes=("full",), n_examples=32,

@@ -1,4 +1,4 @@
-"""Layer sweeps (probekit/sweep.py): batched cells, pair lists, resuming, summaries."""
+"""Layer sweeps (probekit/analysis/sweep.py): batched cells, pair lists, resuming, summaries."""
 
 import os
 
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from probekit import sweep
-from probekit.looping import Looping
-from probekit.perplexity import pct_change
+from probekit.analysis import sweep
+from probekit.mechanisms.looping import Looping
+from probekit.analysis.perplexity import pct_change
 from probekit.runs import RunDir
-from probekit.sweep import Cell, RowwiseRecirculation, make_cells, make_pairs, plan_groups
+from probekit.analysis.sweep import Cell, RowwiseRecirculation, make_cells, make_pairs, plan_groups
 
 torch.set_num_threads(1)
 TEXT = ("Recirculation mixes a deep layer's residual into a shallow layer after every token, "
@@ -147,7 +147,7 @@ def test_summarize_sweep_percent_change_and_best_pair():
 
 
 def test_cli_sweep_end_to_end(tmp_path, capsys):
-    from probekit.cli import main
+    from probekit.commands.main import main
 
     run_dir = tmp_path / "sweep"
     text = tmp_path / "text.txt"  # a small file: tokenising the wiki corpus takes seconds
@@ -177,7 +177,7 @@ def test_cli_sweep_end_to_end(tmp_path, capsys):
      "11-4,12-4 (source-destination)"),
 ])
 def test_cli_sweep_bad_input(tmp_path, capsys, flags, message):
-    from probekit.cli import main
+    from probekit.commands.main import main
 
     assert main(["sweep", "--model", "tiny", "--run-dir", str(tmp_path / "x"), *flags]) == 2
     assert capsys.readouterr().err.strip() == message

@@ -4,14 +4,14 @@ The engine never touches a model's modules; it asks a backend to embed tokens,
 run a range of blocks for a chunk of positions on a KV cache, and read logits out.
 Two backends implement it over the same Hugging Face model:
 
-- ``lens`` (:mod:`probekit.lens_backend`): TransformerLens 4.x ``TransformerBridge``;
+- ``lens`` (:mod:`probekit.core.backends.lens`): TransformerLens 4.x ``TransformerBridge``;
   every block call fires TransformerLens hook points (``blocks.{b}.hook_resid_post``,
   ``blocks.{b}.attn.hook_pattern``, ...), so user hooks see recurrent passes.
 - ``nnsight`` (a later addition): the same calls through nnsight traces.
 
 Shapes: ``resid`` is ``[batch, pos, d_model]`` for the ``pos`` positions of the
 current chunk; ``positions`` holds their absolute (zero-based) indices, shared by
-every row of the batch (ragged batches are right-padded, see :mod:`probekit.engine`).
+every row of the batch (ragged batches are right-padded, see :mod:`probekit.core.engine`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import Tensor
 
-from probekit.kv_cache import KVCache
+from probekit.core.kv_cache import KVCache
 
 # An edit replaces a block's output residual (after the block ran, before the next
 # block reads it). Recirculation with several paths mixes at each destination.
@@ -80,12 +80,3 @@ class Backend(ABC):
             if edits and b in edits:
                 resid = edits[b](resid)
         return resid, captured
-
-
-def make_backend(model, name: str = "lens") -> Backend:
-    """Build the backend ``name`` (``"lens"``) around a :class:`probekit.LoadedModel`."""
-    if name == "lens":
-        from probekit.lens_backend import LensBackend
-
-        return LensBackend(model)
-    raise ValueError(f"unknown backend {name!r}; choose 'lens'")

@@ -10,7 +10,7 @@ flat and the update decaying to a small plateau (a contraction toward a fixed po
 an unstable one shows rising loss and oscillating updates.
 
 Measured here with the engine's own ``passes=n`` regime (one run with ``n`` passes;
-:class:`probekit.latent_feedback.LatentFeedback`'s ``on_pass`` callback sees every pass),
+:class:`probekit.mechanisms.latent_feedback.LatentFeedback`'s ``on_pass`` callback sees every pass),
 on sequences of ``T`` tokens:
 
 - ``loss[k]``: mean next-token loss of pass ``k`` (``k = 1`` is the plain model);
@@ -35,8 +35,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from probekit.engine import Step, StepEngine
-from probekit.latent_feedback import FeedbackGate, LatentFeedback
+from probekit.core.engine import Step, StepEngine
+from probekit.mechanisms.latent_feedback import FeedbackGate, LatentFeedback
 
 
 @torch.no_grad()
@@ -130,7 +130,7 @@ def organism_sequences(tokenizer, n_min: int) -> tuple[Tensor, Tensor]:
     """Equal-length probe-set rows (input + label) of the longest length that at least 16
     rows of the completion/memory probe sets share, and the position predicting each label
     (the measured positions ``t >= n`` should be most of the sequence)."""
-    from probekit.organism import probe_sets
+    from probekit.training.organism import probe_sets
 
     rows: list[list[int]] = []
     for data in probe_sets(tokenizer).values():
@@ -149,7 +149,7 @@ def organism_sequences(tokenizer, n_min: int) -> tuple[Tensor, Tensor]:
 
 # --------------------------------------------------------------------------- CLI
 def add_cli(sub) -> None:
-    from probekit.cli import add_model_args, add_run_args
+    from probekit.commands.main import add_model_args, add_run_args
 
     p = sub.add_parser("feedback-stability",
                        help="loss and state update over many fused passes (Fig. 3)",
@@ -165,8 +165,8 @@ def add_cli(sub) -> None:
 
 
 def run_cli(args) -> int:
-    from probekit.feedback_training import read_checkpoint_config
-    from probekit.latent_feedback import LatentFeedbackMechanism
+    from probekit.training.feedback import read_checkpoint_config
+    from probekit.mechanisms.latent_feedback import LatentFeedbackMechanism
     from probekit.runs import RunDir
 
     if args.passes < 1:
@@ -179,7 +179,7 @@ def run_cli(args) -> int:
     if cfg["mode"] == "organism":
         ids, answers = organism_sequences(model.tokenizer, args.passes)
     else:
-        from probekit.corpora import load_corpus, make_windows
+        from probekit.data.corpora import load_corpus, make_windows
 
         if args.window_tokens <= args.passes:
             raise ValueError(f"--window-tokens must exceed --passes ({args.passes})")

@@ -12,13 +12,13 @@ import os
 import sys
 
 COMMANDS = (
-    "probekit.perplexity",
-    "probekit.pos_attribution",
-    "probekit.lag",
-    "probekit.sweep",
-    "probekit.run_command",
-    "probekit.feedback_training",
-    "probekit.stability",
+    "probekit.analysis.perplexity",
+    "probekit.analysis.pos_attribution",
+    "probekit.analysis.lag",
+    "probekit.analysis.sweep",
+    "probekit.commands.run",
+    "probekit.training.feedback",
+    "probekit.analysis.stability",
 )
 
 

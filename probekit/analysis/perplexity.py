@@ -1,7 +1,7 @@
 """Perplexity with and without recirculation, per window and overall (paper Sec. 4.2).
 
 ``probekit perplexity`` cuts a corpus into full windows of the model's tokens
-(:mod:`probekit.corpora`), scores every window twice — the plain model in one
+(:mod:`probekit.data.corpora`), scores every window twice — the plain model in one
 parallel forward, and the recirculated model token by token through the step engine
 — and reports ``100 * (ppl_rec / ppl_base - 1)`` per window and overall, where
 ``ppl = exp(mean NLL)`` over every predicted token of the windows. The interval is a
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from probekit.engine import Recurrence, StepEngine
+from probekit.core.engine import Recurrence, StepEngine
 
 
 def window_log_probs(
@@ -140,14 +140,14 @@ def add_corpus_args(p: argparse.ArgumentParser, *, windows: int = 8, window_toke
 
 
 def recirculation_from_args(args):
-    from probekit.recirculation import Recirculation
+    from probekit.mechanisms.recirculation import Recirculation
 
     return Recirculation(args.source, args.destination, args.alpha, args.beta, norm=args.norm,
                          ramp=args.ramp, iterations=args.iterations)
 
 
 def corpus_windows_from_args(args, model):
-    from probekit.corpora import load_corpus, make_windows
+    from probekit.data.corpora import load_corpus, make_windows
 
     if args.windows < 1:
         raise ValueError(f"--windows must be >= 1; got {args.windows}")
@@ -159,7 +159,7 @@ def corpus_windows_from_args(args, model):
 
 
 def add_cli(sub) -> None:
-    from probekit.cli import add_model_args, add_run_args
+    from probekit.commands.main import add_model_args, add_run_args
 
     p = sub.add_parser("perplexity", help="baseline vs recirculated perplexity on a corpus",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -174,7 +174,7 @@ def add_cli(sub) -> None:
 
 
 def run_cli(args) -> int:
-    from probekit.models import load_model
+    from probekit.core.models import load_model
     from probekit.runs import RunDir
 
     # Validate everything cheap before loading anything.

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from probekit.recirculation import Recirculation, mix
+from probekit.mechanisms.recirculation import Recirculation, mix
 
 
 def _layers(hf_model):

@@ -11,7 +11,7 @@ builds the rectangular causal mask ``query i -> keys 0 .. cached + i`` itself, w
 exactly what a right-padded chunk on a cache needs.
 
 Fast path: when no hook is attached anywhere on the bridge (checked when a run
-starts), blocks run :func:`probekit.llama_block.llama_block` on the same weights,
+starts), blocks run :func:`probekit.core.backends.llama_block.llama_block` on the same weights,
 which skips the bridge's per-hook-point Python; with any hook attached, every block
 goes through the bridge so all hook points fire. ``fast=False`` disables it.
 
@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from probekit.backend import Backend
-from probekit.kv_cache import KVCache
-from probekit.llama_block import block_weights, llama_block
+from probekit.core.backends.base import Backend
+from probekit.core.kv_cache import KVCache
+from probekit.core.backends.llama_block import block_weights, llama_block
 
 
 class LensBackend(Backend):

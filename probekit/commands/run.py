@@ -2,7 +2,7 @@
 
 Each module in ``EXPERIMENTS`` defines ``add_experiment_cli(subparsers)``, which adds its
 parser (e.g. ``state-tracking``) to the sub-parsers of ``run`` and sets ``func``, as
-:mod:`probekit.cli` does for top-level commands::
+:mod:`probekit.commands.main` does for top-level commands::
 
     probekit run state-tracking --recurrence full
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 
 EXPERIMENTS = (
-    "probekit.state_tracking",
+    "probekit.analysis.state_tracking",
 )
 
 

@@ -16,7 +16,7 @@ One training step (App. C, Fig. 9) on a batch of token ids ``x`` ``[B, T]``::
     loss = NTP(h(1)) + lambda / (K-1) * sum_k NTP(h(k))  # Eq. 12
 
 ``h`` is the top state after the final norm (the choice of
-:mod:`probekit.latent_feedback`); gradients are **not** detached between passes, so
+:mod:`probekit.mechanisms.latent_feedback`); gradients are **not** detached between passes, so
 later passes' losses reach earlier passes' states. Each pass is one parallel forward
 of the Hugging Face model with ``inputs_embeds``: the differentiable twin of the
 engine's ``passes=n`` regime (``tests/test_latent_feedback.py`` pins that both give
@@ -28,7 +28,7 @@ Modes:
   frozen. Pass 1 then does not depend on any trainable weight, so it runs without
   gradients, and a one-pass batch only records its loss (no optimizer step).
 - ``organism``: a small Llama trained from scratch together with its gate on
-  synthetic-task text (:mod:`probekit.organism`).
+  synthetic-task text (:mod:`probekit.training.organism`).
 
 Choices where the paper is silent: prefix mixin applies to a row with probability
 ``mixin`` (default 0.5) with ``p`` uniform over the row's positions, drawn anew for
@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from probekit.latent_feedback import FeedbackGate, check_gate
+from probekit.mechanisms.latent_feedback import FeedbackGate, check_gate
 
 FORMAT = "probekit-feedback-checkpoint"
 MODES = ("gate", "organism")
@@ -314,8 +314,8 @@ def save_checkpoint(folder: str | Path, *, gate: FeedbackGate, model, config: Tr
     from probekit.runs import write_json
 
     if config.mode == "organism":
-        from probekit.models import _content_hash
-        from probekit.organism import save_organism
+        from probekit.core.models import _content_hash
+        from probekit.training.organism import save_organism
 
         tmp = folder / ".organism.tmp"
         save_organism(tmp, model.hf_model, model.tokenizer)
@@ -391,7 +391,7 @@ def load_checkpoint(path: str | Path, model=None) -> FeedbackCheckpoint:
     """
     from safetensors.torch import load_file
 
-    from probekit.models import load_model
+    from probekit.core.models import load_model
 
     path = Path(path)
     cfg = read_checkpoint_config(path)
@@ -620,7 +620,7 @@ def plot_history(history: list[dict], title: str = ""):
 def gate_data(model, config: TrainConfig, *, n_windows: int = 2048,
               val_windows: int = 16) -> TrainData:
     """Wikipedia windows of ``seq_len`` tokens; the last ``val_windows`` are held out."""
-    from probekit.corpora import load_corpus, make_windows
+    from probekit.data.corpora import load_corpus, make_windows
 
     docs, chars = [], 0
     need = 8 * (n_windows + val_windows) * config.seq_len  # chars; ~4 per token, 2x spare
@@ -643,9 +643,9 @@ def gate_data(model, config: TrainConfig, *, n_windows: int = 2048,
 
 def organism_data(tokenizer, *, tasks, n_examples: int, seed: int,
                   distractors=None) -> TrainData:
-    """Task inputs + label words (:func:`probekit.organism.training_examples`); the
+    """Task inputs + label words (:func:`probekit.training.organism.training_examples`); the
     validation batches are the default probe sets with their labels."""
-    from probekit.organism import probe_sets, training_examples
+    from probekit.training.organism import probe_sets, training_examples
 
     kw = {} if distractors is None else {"distractors": tuple(distractors)}
     rows = training_examples(tokenizer, tasks, n_examples=n_examples, seed=seed + 1, **kw)
@@ -664,8 +664,8 @@ def organism_data(tokenizer, *, tasks, n_examples: int, seed: int,
 
 def new_organism(organism_config, seed: int):
     """A fresh organism as a :class:`probekit.LoadedModel` (tokenizer fitted to the tasks)."""
-    from probekit.models import LoadedModel, _content_hash
-    from probekit.organism import build_organism, fit_tokenizer
+    from probekit.core.models import LoadedModel, _content_hash
+    from probekit.training.organism import build_organism, fit_tokenizer
 
     tok = fit_tokenizer()
     hf = build_organism(tok, organism_config, seed=seed)
@@ -685,7 +685,7 @@ MODE_DEFAULTS = {
 def add_cli(sub) -> None:
     import argparse
 
-    from probekit.cli import add_model_args, add_run_args
+    from probekit.commands.main import add_model_args, add_run_args
 
     p = sub.add_parser("train-feedback", help="train a latent-feedback gate (or organism)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -754,8 +754,8 @@ def config_from_args(args) -> TrainConfig:
 def run_cli(args) -> int:
     import shutil
 
-    from probekit.models import load_model
-    from probekit.organism import OrganismConfig
+    from probekit.core.models import load_model
+    from probekit.training.organism import OrganismConfig
     from probekit.runs import RunDir
 
     config = config_from_args(args)  # validates before anything is loaded
@@ -804,7 +804,7 @@ def run_cli(args) -> int:
                                               if "val_pass_losses" in h), None),
                "checkpoint": str(ckpt), "data": data.description}
     if config.mode == "organism":
-        from probekit.organism import task_accuracy
+        from probekit.training.organism import task_accuracy
 
         loaded = load_checkpoint(ckpt)
         summary["task_accuracy"] = task_accuracy(loaded.model, loaded.gate, tasks)

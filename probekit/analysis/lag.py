@@ -73,8 +73,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from probekit.engine import RunResult, StepEngine
-from probekit.recirculation import Recirculation
+from probekit.core.engine import RunResult, StepEngine
+from probekit.mechanisms.recirculation import Recirculation
 
 EARLY_POSITIONS = 10  # the paper's "roughly t < 10" (Sec. 4.4.4)
 
@@ -500,8 +500,8 @@ def plot_lag_analysis(single: dict, complement: dict | None, title: str):
 
 
 def add_cli(subparsers) -> None:
-    from probekit.cli import add_model_args, add_run_args
-    from probekit.perplexity import add_corpus_args, add_recirculation_args
+    from probekit.commands.main import add_model_args, add_run_args
+    from probekit.analysis.perplexity import add_corpus_args, add_recirculation_args
 
     p = subparsers.add_parser(
         "lag-analysis",
@@ -528,8 +528,8 @@ def add_cli(subparsers) -> None:
 
 
 def run_cli(args) -> int:
-    from probekit.models import load_model
-    from probekit.perplexity import corpus_windows_from_args, recirculation_from_args
+    from probekit.core.models import load_model
+    from probekit.analysis.perplexity import corpus_windows_from_args, recirculation_from_args
     from probekit.runs import RunDir
 
     # Validate every flag before loading anything.

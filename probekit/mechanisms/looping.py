@@ -1,6 +1,6 @@
 """Looping baseline: run a range of blocks twice, training-free (paper Sec. 4.4.3, App. C.3).
 
-    from probekit.looping import Looping
+    from probekit.mechanisms.looping import Looping
     result = Looping(4, 11).run(engine, token_ids)     # RunResult with .log_probs
 
 For ``l1 < l2`` (block indices, zero-based, ``0 <= l1 < l2 <= L-1``), a copy of blocks
@@ -16,7 +16,7 @@ parallel forward over all positions.
 The duplicated blocks are new layers of the deeper stack and need their own keys and
 values: the second application of block ``b`` attends to its own second-application
 keys/values of earlier positions, not to the first application's. The engine's
-:class:`~probekit.kv_cache.KVCache` is indexed by block, so the copy writes into a
+:class:`~probekit.core.kv_cache.KVCache` is indexed by block, so the copy writes into a
 second cache (one per copy) while blocks ``0 .. l2`` and ``l2+1 .. L-1`` use the first.
 
 Hooks: TransformerLens hook names fire for both applications of a block; inside a hook
@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from probekit.engine import RunResult, StepEngine, score
-from probekit.kv_cache import KVCache
+from probekit.core.engine import RunResult, StepEngine, score
+from probekit.core.kv_cache import KVCache
 
 
 @dataclass(frozen=True)

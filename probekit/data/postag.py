@@ -1,7 +1,7 @@
 """Part-of-speech tags for model tokens (SEMANTICS.md "Part-of-speech attribution").
 
-    python -m probekit.postag              # offline tagger setup; prints where
-    from probekit.postag import token_tags
+    python -m probekit.data.postag              # offline tagger setup; prints where
+    from probekit.data.postag import token_tags
     tags = token_tags(window)              # universal tag per model token, None for BOS
     tags = token_tags(window, document_text=docs[window.doc_index].text)  # edges in context
 
@@ -74,7 +74,7 @@ import platformdirs
 from probekit.runs import write_text
 
 if TYPE_CHECKING:
-    from probekit.corpora import Window
+    from probekit.data.corpora import Window
 
 TAGGER_RESOURCE = "taggers/averaged_perceptron_tagger_eng"
 TAGGER_FILES = tuple(f"averaged_perceptron_tagger_eng.{part}.json"
@@ -372,9 +372,9 @@ def token_tags(window: Window, *, noun_number: bool = False,
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m probekit.postag [--data-dir DIR]``: set up the tagger, print where."""
+    """``python -m probekit.data.postag [--data-dir DIR]``: set up the tagger, print where."""
     parser = argparse.ArgumentParser(
-        prog="python -m probekit.postag",
+        prog="python -m probekit.data.postag",
         description="Set up NLTK's English PoS tagger offline (from the textblob-aptagger "
                     "wheel) and print where it is.")
     parser.add_argument("--data-dir", help="probekit data dir (default: $PROBEKIT_DATA_DIR "

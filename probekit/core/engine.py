@@ -38,8 +38,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from probekit.backend import Backend, Edit, make_backend
-from probekit.kv_cache import KVCache
+from probekit.core.backends import Backend, Edit, make_backend
+from probekit.core.kv_cache import KVCache
 
 
 @dataclass
@@ -245,6 +245,7 @@ class StepEngine:
         temperature: float = 1.0,
         return_logits: bool = False,
         return_cache: bool = False,
+        readout: bool | str = True,
         progress: bool = False,
     ) -> RunResult:
         """Run ``input_ids`` (a ``[batch, seq]`` tensor or ragged lists of ids).
@@ -260,8 +261,16 @@ class StepEngine:
                 :meth:`KVCache.copy`); only positions ``>= start`` are run and scored.
             fwd_hooks: TransformerLens ``(name, fn)`` pairs active during the run.
             temperature: log-probs are ``log_softmax(logits / temperature)``.
+            readout: ``True`` (default): logits and log-probs of each chunk come from its
+                first pass (SEMANTICS.md's readout rule); ``"last"``: from the last pass
+                the recurrence ran for the chunk (latent feedback's ``passes=n``);
+                ``False``: no unembedding at all (capture-only runs; log-probs stay NaN).
         """
         recurrence = recurrence or Recurrence()
+        if readout not in (True, False, "last"):
+            raise ValueError(f"readout must be True, False or 'last'; got {readout!r}")
+        if return_logits and readout is False:
+            raise ValueError("return_logits needs a readout (readout=True or 'last')")
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0; got {temperature}")
         # All validation happens before any state is created or changed.
@@ -296,25 +305,36 @@ class StepEngine:
 
                 x = recurrence.form_input(step, self.backend.embed(step.input_ids))
                 top, captured = self.backend.run_blocks(0, L, x, pos, cache, capture)
-                logits = self.backend.unembed(top)
-                self._score(logits, ids, lengths, c0, c1, temperature, log_probs)
-                if logits_out is not None:
-                    logits_out[:, c0:c1] = logits
+                self._last_top = top
+                if readout is True:
+                    self._read(top, ids, lengths, c0, c1, temperature, log_probs, logits_out)
 
-                rerun = partial(self._rerun, cache, c0, pos)
+                rerun = partial(self._rerun, cache, c0, pos, readout == "last")
                 recurrence.after_first_pass(step, captured, top, rerun)
+                if readout == "last":
+                    self._read(self._last_top, ids, lengths, c0, c1, temperature, log_probs,
+                               logits_out)
         self.state = EngineState()
         return RunResult(ids, lengths, log_probs, logits_out, cache if return_cache else None)
 
-    def _rerun(self, cache: KVCache, c0: int, pos: Any, start: int, resid: Tensor,
-               capture: Iterable[int] = (), edits: Mapping[int, Edit] | None = None
-               ) -> dict[int, Tensor]:
+    def _rerun(self, cache: KVCache, c0: int, pos: Any, keep_top: bool, start: int,
+               resid: Tensor, capture: Iterable[int] = (),
+               edits: Mapping[int, Edit] | None = None) -> dict[int, Tensor]:
         """Run blocks ``start .. L-1`` again for the chunk starting at ``c0``, replacing
         (not appending to) the chunk's keys/values in those blocks."""
         cache.truncate(range(start, self.n_blocks), c0)
         self.state.pass_index += 1
-        _, out = self.backend.run_blocks(start, self.n_blocks, resid, pos, cache, capture, edits)
+        top, out = self.backend.run_blocks(start, self.n_blocks, resid, pos, cache, capture,
+                                           edits)
+        if keep_top:
+            self._last_top = top
         return out
+
+    def _read(self, top, ids, lengths, c0, c1, temperature, log_probs, logits_out) -> None:
+        logits = self.backend.unembed(top)
+        self._score(logits, ids, lengths, c0, c1, temperature, log_probs)
+        if logits_out is not None:
+            logits_out[:, c0:c1] = logits
 
     @staticmethod
     def _score(logits, ids, lengths, c0, c1, temperature, out) -> None:
@@ -325,6 +345,69 @@ class StepEngine:
         valid = torch.arange(c0 + 1, t1 + 1)[None, :] < lengths[:, None]
         out[:, c0:t1] = target_log_probs(logits[:, : t1 - c0], ids[:, c0 + 1 : t1 + 1], valid,
                                          temperature)
+
+    # ------------------------------------------------------- public operations
+    # What analyses and mechanisms need below the level of a whole run; nothing outside
+    # probekit.core touches ``self.backend`` or ``self.state`` directly.
+    @property
+    def n_ctx(self) -> int:
+        return self.backend.n_ctx
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.hf_model.parameters()).dtype
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Token ids ``[batch, pos]`` -> the plain model input ``[batch, pos, d_model]``."""
+        return self.backend.embed(input_ids)
+
+    @torch.no_grad()
+    def unembed(self, resid: Tensor) -> Tensor:
+        """Float32 logits of top residuals ``[..., pos, d_model]`` (final norm, unembedding)."""
+        return self.backend.unembed(resid.to(self.dtype)).float()
+
+    def hooks(self, fwd_hooks: Iterable[tuple[Any, Callable]] = ()):
+        """Context manager attaching TransformerLens ``(name, fn)`` hooks (none: fast path)."""
+        return self.backend.hooks(fwd_hooks)
+
+    @torch.no_grad()
+    def run_blocks(self, start: int, stop: int, resid: Tensor, positions: Tensor,
+                   cache: KVCache, *, capture: Iterable[int] = (), pass_index: int = 0,
+                   edits: Mapping[int, Edit] | None = None) -> tuple[Tensor, dict[int, Tensor]]:
+        """Run blocks ``start .. stop-1`` on ``resid`` ``[batch, pos, d_model]`` at absolute
+        ``positions``, appending keys/values to ``cache``; hooks see ``pass_index``.
+        Returns the last output and the outputs of blocks in ``capture``."""
+        self.state.positions, self.state.pass_index = positions, pass_index
+        try:
+            pos = self.backend.prepare_positions(positions)
+            return self.backend.run_blocks(start, stop, resid, pos, cache, capture, edits)
+        finally:
+            self.state = EngineState()
+
+    @torch.no_grad()
+    def rerun_position(self, cache: KVCache, position: int, resid: Tensor, start: int = 0,
+                       *, capture: Iterable[int] = ()) -> tuple[Tensor, dict[int, Tensor]]:
+        """Run blocks ``start .. L-1`` for the single ``position`` from ``resid``
+        ``[batch, d_model]`` (its input to block ``start``) on ``cache``, which must hold
+        exactly positions ``< position``; the cache is left as it was. No hooks fire (the
+        backend may take its fast path). Returns the top ``[batch, d_model]`` and the
+        captured block outputs ``{b: [batch, d_model]}``.
+
+        This is how causal patching and capture re-read one position (SEMANTICS.md: a
+        position's readout depends only on the cache of earlier positions)."""
+        L = self.n_blocks
+        if not 0 <= start <= L:
+            raise ValueError(f"start must lie in 0..{L}; got {start}")
+        if any(n != position for n in cache.lengths):
+            raise ValueError(f"the cache must hold exactly positions < {position}; it holds "
+                             f"{sorted(set(cache.lengths))}")
+        if start == L:
+            return resid, {}
+        with self.hooks(()):
+            top, out = self.run_blocks(start, L, resid[:, None], torch.tensor([position]),
+                                       cache, capture=capture)
+        cache.truncate(range(start, L), position)
+        return top[:, 0], {b: v[:, 0] for b, v in out.items()}
 
     def forward(self, input_ids, *, temperature: float = 1.0, **kw) -> RunResult:
         """The plain model in one parallel forward (same maths, one chunk)."""

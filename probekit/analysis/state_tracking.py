@@ -2,7 +2,7 @@
 
 The headline experiment of probekit: the latent-feedback paper's state-tracking probes
 (Sec. 4.4, Fig. 7, App. F) as a pipeline any prefill mechanism plugs into
-(:class:`probekit.capture.Mechanism`), run first with training-free recirculation::
+(:class:`probekit.analysis.capture.Mechanism`), run first with training-free recirculation::
 
     probekit run state-tracking --recurrence full                 # none vs full, completion
     probekit run state-tracking --recurrence none,last-k,full --k 1 2 4 --task memory
@@ -12,14 +12,14 @@ The headline experiment of probekit: the latent-feedback paper's state-tracking 
    latest-write, and the register-count and overwrite sweeps. Every example ends with the
    same colon; the label token never occurs in the input; matched pairs differ only in
    the state-determining content.
-2. **Capture** (:mod:`probekit.capture`): the colon's residual at every depth
+2. **Capture** (:mod:`probekit.analysis.capture`): the colon's residual at every depth
    ``0 .. L`` under each prefill regime (``none``, ``last-k``, ``full``), prompts batched
    by token length, only final-token vectors kept. The standard-prefill baseline
    ``none`` is always run, first: every comparison is against it.
-3. **Probes** (:class:`probekit.probing.DepthProbe`): per depth, L2 logistic regression
+3. **Probes** (:class:`probekit.analysis.probing.DepthProbe`): per depth, L2 logistic regression
    with grouped k-fold CV (a numeral pair / scratch context / schedule is never split);
    mean and spread over folds; chance = majority rate of the test folds.
-4. **Causal accessibility** (:mod:`probekit.causal`): on matched pairs, patch the
+4. **Causal accessibility** (:mod:`probekit.analysis.causal`): on matched pairs, patch the
    partner's depth-``r`` residual into the final token and count how often the model's
    preference between the two label tokens flips to the partner's label. Decodable is
    not the same as used (Sec. 4.4, last paragraph); the model's own accuracy on the task
@@ -30,7 +30,7 @@ The headline experiment of probekit: the latent-feedback paper's state-tracking 
    depth, one line per regime with a +-1 std band over folds and the chance line, and
    the flip rate per depth beside it), and a short table in the terminal.
 
-How to read it for recirculation (see :mod:`probekit.capture`): the final token's
+How to read it for recirculation (see :mod:`probekit.analysis.capture`): the final token's
 readout depends only on *earlier* positions recirculating, and blocks ``0 .. d`` keep
 first-pass keys/values, so the final token's residuals at depths ``0 .. d + 1`` are the
 same under every regime, and ``last-1`` is the same as ``none``. Recirculation can only
@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from probekit.capture import (
+from probekit.analysis.capture import (
     MECHANISMS,
     Mechanism,
     capture_final,
@@ -58,15 +58,15 @@ from probekit.capture import (
     mechanism_class,
     parse_regime,
 )
-from probekit.causal import (
+from probekit.analysis.causal import (
     FlipStats,
     flip_statistics,
     partner_index,
     patched_label_logits,
     readout_logits,
 )
-from probekit.engine import StepEngine
-from probekit.probing import DepthProbe
+from probekit.core.engine import StepEngine
+from probekit.analysis.probing import DepthProbe
 from synthetic import TASKS, Dataset, label_token_ids, make_task
 
 #: Default examples per task: small enough that ``--recurrence full`` on the default model
@@ -98,7 +98,7 @@ class StateTrackingConfig:
             parallel forward.
         n_folds, C: the probes' grouped folds and inverse L2 strength.
         pass_index: None probes the readout pass (default); a number probes that pass
-            (:func:`probekit.capture.capture_final`), and causal patching, defined on the
+            (:func:`probekit.analysis.capture.capture_final`), and causal patching, defined on the
             readout pass, is skipped.
         causal: run the patching experiment.
     """
@@ -408,8 +408,8 @@ def _words(values: Sequence[str]) -> list[str]:
 
 def add_experiment_cli(sub) -> None:
     """Add ``state-tracking`` to the sub-parsers of ``probekit run``."""
-    from probekit.cli import add_model_args, add_run_args
-    from probekit.perplexity import add_recirculation_args
+    from probekit.commands.main import add_model_args, add_run_args
+    from probekit.analysis.perplexity import add_recirculation_args
 
     p = sub.add_parser("state-tracking", help="probe and patch task state per depth (Fig. 7)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -478,7 +478,7 @@ def check_regimes(mechanism: Mechanism, regimes: Sequence[str], data: Sequence[T
 
 
 def run_cli(args) -> int:
-    from probekit.models import load_model
+    from probekit.core.models import load_model
     from probekit.runs import RunDir
 
     # Everything is validated before the run directory is touched.

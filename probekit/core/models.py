@@ -1,6 +1,6 @@
 """Model loading: one call returns a ready Hugging Face causal LM, offline by default.
 
-    from probekit.models import load_model
+    from probekit.core.models import load_model
     lm = load_model()              # SmolLM2-135M-Instruct, no network needed
     lm = load_model("tiny-6")      # random 6-block Llama for tests, built in ~0.1 s
 

@@ -41,7 +41,7 @@ name. Regimes (latent-feedback paper App. F; SEMANTICS.md "Latent feedback"):
 =========  ===========================================================  ================
 
 :class:`RecirculationMechanism` implements these for recirculation
-(:mod:`probekit.recirculation`); the latent-feedback mechanism implements the same
+(:mod:`probekit.mechanisms.recirculation`); the latent-feedback mechanism implements the same
 interface (and adds ``passes=n``).
 
 What the regimes mean for recirculation (SEMANTICS.md readout rule): the final token's
@@ -58,7 +58,7 @@ recirculated. So
   ``d + 2`` up; it never changes its model input. Latent feedback, by contrast, changes
   depth 0 itself.
 
-Causal patching (:mod:`probekit.causal`) re-runs only the final position from a patched
+Causal patching (:mod:`probekit.analysis.causal`) re-runs only the final position from a patched
 depth on the context the readout pass saw; :class:`Capture` carries that context (the
 KV cache of positions ``< T - 1``).
 """
@@ -75,9 +75,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from probekit.engine import Recurrence, RunResult, StepEngine
-from probekit.kv_cache import KVCache
-from probekit.recirculation import Recirculation
+from probekit.core.engine import Recurrence, RunResult, StepEngine
+from probekit.core.kv_cache import KVCache
+from probekit.mechanisms.recirculation import Recirculation
 
 _LAST_K = re.compile(r"last-(\d+)")
 
@@ -198,7 +198,7 @@ def regime_plan(regime: str, seq_len: int) -> tuple[Tensor | None, int | list[in
 
 
 class RecurrenceMechanism(Mechanism):
-    """A mechanism given by one engine :class:`~probekit.engine.Recurrence` that acts on
+    """A mechanism given by one engine :class:`~probekit.core.engine.Recurrence` that acts on
     the positions a mask selects (:func:`regime_plan`); subclasses give :meth:`recurrence`."""
 
     @abstractmethod
@@ -247,7 +247,7 @@ class RecirculationMechanism(RecurrenceMechanism):
 
     @classmethod
     def from_args(cls, args, model=None) -> RecirculationMechanism:
-        """From the flags of ``probekit.perplexity.add_recirculation_args``."""
+        """From the flags of ``probekit.analysis.perplexity.add_recirculation_args``."""
         return cls(args.source, args.destination, args.alpha, args.beta, norm=args.norm,
                    ramp=args.ramp, iterations=args.iterations)
 
@@ -279,8 +279,8 @@ class RecirculationMechanism(RecurrenceMechanism):
 #: adding its flags and a ``load_model(args)`` classmethod when it brings its own model.
 #: Loaded lazily, so a mechanism whose module is missing only fails when asked for.
 MECHANISMS = {
-    "recirculation": "probekit.capture:RecirculationMechanism",
-    "latent-feedback": "probekit.latent_feedback:LatentFeedbackMechanism",
+    "recirculation": "probekit.analysis.capture:RecirculationMechanism",
+    "latent-feedback": "probekit.mechanisms.latent_feedback:LatentFeedbackMechanism",
 }
 
 
@@ -332,7 +332,7 @@ def capture_final(
 
     Args:
         input_ids: ``[batch, T]``, every row a real prompt of ``T`` tokens (batch prompts
-            by length; ``probekit.state_tracking`` does).
+            by length; ``probekit.analysis.state_tracking`` does).
         pass_index: None for the readout pass, or a pass number: the state as of that
             pass (module docstring).
         fwd_hooks: extra TransformerLens hooks, run before the capturing ones.
@@ -402,7 +402,7 @@ def _capture_by_final_rerun(engine: StepEngine, mechanism: Mechanism, input_ids:
     cache.truncate(range(L), final)
     pos = engine.backend.prepare_positions(torch.tensor([final]))
     # An empty hooks() context is a run with no hook attached: the backend may use its
-    # fast block path (probekit.lens_backend).
+    # fast block path (probekit.core.backends.lens).
     with engine.backend.hooks(()):
         _, out = engine.backend.run_blocks(0, L, x0[:, None], pos, cache, capture=range(L))
     cache.truncate(range(L), final)

@@ -72,8 +72,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from probekit.capture import Mechanism
-from probekit.engine import Recurrence, Rerun, RunResult, Step, StepEngine, score
+from probekit.analysis.capture import Mechanism
+from probekit.core.engine import Recurrence, Rerun, RunResult, Step, StepEngine, score
 
 __all__ = [
     "FeedbackGate",
@@ -475,8 +475,8 @@ class LatentFeedbackMechanism(Mechanism):
     def load_model(cls, args):
         """The model to run: an organism checkpoint's own model unless ``--model`` names
         another (which :meth:`from_args` then rejects), else ``--model``."""
-        from probekit.feedback_training import read_checkpoint_config
-        from probekit.models import DEFAULT_MODEL, load_model
+        from probekit.training.feedback import read_checkpoint_config
+        from probekit.core.models import DEFAULT_MODEL, load_model
 
         path = Path(cls._checkpoint(args))
         cfg = read_checkpoint_config(path)
@@ -487,7 +487,7 @@ class LatentFeedbackMechanism(Mechanism):
 
     @classmethod
     def from_args(cls, args, model) -> LatentFeedbackMechanism:
-        from probekit.feedback_training import load_checkpoint
+        from probekit.training.feedback import load_checkpoint
 
         ckpt = load_checkpoint(cls._checkpoint(args), model)
         return cls(ckpt.gate, model, checkpoint=str(ckpt.path), step=ckpt.step)

@@ -26,7 +26,7 @@ schemes are the paper's three most-discussed normalisations (App. B.3, Table B.2
 - ``none``:   ``f = identity``, ``beta = 1 - alpha``.
 
 Every position of every window recirculates (token by token, exact K = 1 method). The
-**looping** baseline (``--looping``, :mod:`probekit.looping`) is swept over the same
+**looping** baseline (``--looping``, :mod:`probekit.mechanisms.looping`) is swept over the same
 pairs with ``l2 = s`` and ``l1 = d`` (the block-``l2`` output re-enters block
 ``l1 + 1``, as the recirculated source re-enters above the destination).
 
@@ -37,7 +37,7 @@ starts above the lowest destination in the batch; rows whose own destination is 
 recompute their unchanged blocks (same input, same cache, hence the same keys/values)
 and are mixed when the pass reaches their destination. Cells are sorted by destination
 so that little is recomputed. Tests pin each row to a one-cell
-:class:`~probekit.recirculation.Recirculation` run.
+:class:`~probekit.mechanisms.recirculation.Recirculation` run.
 
 **Resuming.** The work is cut into units (a cell over a batch of windows) and units
 into fixed groups (one engine run each), determined by the configuration alone. Each
@@ -57,10 +57,10 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from probekit.engine import Recurrence, Rerun, Step, StepEngine
-from probekit.looping import Looping
-from probekit.perplexity import pct_change, perplexity
-from probekit.recirculation import Recirculation, mix
+from probekit.core.engine import Recurrence, Rerun, Step, StepEngine
+from probekit.mechanisms.looping import Looping
+from probekit.analysis.perplexity import pct_change, perplexity
+from probekit.mechanisms.recirculation import Recirculation, mix
 
 # scheme -> (norm, beta); beta None = 1 - alpha (convex).
 SCHEMES: dict[str, tuple[str, float | None]] = {
@@ -100,7 +100,7 @@ class RowwiseRecirculation(Recurrence):
     """Recirculation with a different single path per batch row.
 
     Args:
-        rows: per batch row, the :class:`~probekit.recirculation.Recirculation` (one path,
+        rows: per batch row, the :class:`~probekit.mechanisms.recirculation.Recirculation` (one path,
             one iteration) that row runs; every row must share ``ramp``.
     """
 
@@ -478,8 +478,8 @@ def parse_floats(spec: str, what: str) -> list[float]:
 
 
 def add_cli(subparsers) -> None:
-    from probekit.cli import add_model_args, add_run_args
-    from probekit.perplexity import add_corpus_args
+    from probekit.commands.main import add_model_args, add_run_args
+    from probekit.analysis.perplexity import add_corpus_args
 
     p = subparsers.add_parser(
         "sweep",
@@ -514,8 +514,8 @@ def add_cli(subparsers) -> None:
 
 
 def run_cli(args) -> int:
-    from probekit.models import load_model
-    from probekit.perplexity import corpus_windows_from_args
+    from probekit.core.models import load_model
+    from probekit.analysis.perplexity import corpus_windows_from_args
     from probekit.runs import RunDir
 
     pairs_spec = ":".join(args.pairs)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from probekit.engine import Recurrence, Rerun, Step
+from probekit.core.engine import Recurrence, Rerun, Step
 
 NORMS = ("ratio", "none")
 

@@ -245,8 +245,8 @@ def task_accuracy(model, gate, tasks: Sequence[str] = TRAIN_TASKS,
     """Accuracy of the label prediction at the final colon of each probe set
     (:func:`probe_sets`), per prefill regime: the label word with the
     larger logit among the task's label words must be the example's label."""
-    from probekit.engine import StepEngine
-    from probekit.latent_feedback import prefill
+    from probekit.core.engine import StepEngine
+    from probekit.mechanisms.latent_feedback import prefill
     from synthetic.dataset import label_token_ids
 
     engine = StepEngine(model)

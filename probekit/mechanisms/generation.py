@@ -1,6 +1,6 @@
 """Decoding with or without latent feedback (full-bandwidth paper Sec. 4.2, Fig. 2 right).
 
-    from probekit.generation import generate
+    from probekit.mechanisms.generation import generate
     out = generate(engine, prompt_ids, gate=gate, regime="soft", max_new_tokens=64)
     out.tokens[0]          # the new token ids of prompt 0 (up to and including EOS)
 
@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from probekit.engine import StepEngine
-from probekit.latent_feedback import FeedbackGate, LatentFeedback, prefill
+from probekit.core.engine import StepEngine
+from probekit.mechanisms.latent_feedback import FeedbackGate, LatentFeedback, prefill
 
 DECODING = ("standard", "soft", "fused")
 

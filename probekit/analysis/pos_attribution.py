@@ -31,7 +31,7 @@ the windows against the plain model.
 
 Intervals are percentile bootstraps over windows (the independent units; tokens in a
 window are correlated), the same resampling scheme as
-:func:`probekit.perplexity.bootstrap_ci`. Every statistic of a run uses the same
+:func:`probekit.analysis.perplexity.bootstrap_ci`. Every statistic of a run uses the same
 resamples (same seed), so "tag minus random" is a paired difference. A resample that
 holds no token of a rare tag is left out of that tag's interval; the count of such
 resamples is reported.
@@ -45,8 +45,8 @@ are final, the last position's first pass sees exactly them, and its second pass
 recomputes the others' keys/values unchanged (:class:`Recirculation` leaves
 inactive positions at ``z'_d = z_d``). A test pins equality with the token-by-token run.
 
-Tags come from :mod:`probekit.postag` (``nltk.pos_tag`` through the offline
-textblob-aptagger conversion; run ``python -m probekit.postag`` once, or let this
+Tags come from :mod:`probekit.data.postag` (``nltk.pos_tag`` through the offline
+textblob-aptagger conversion; run ``python -m probekit.data.postag`` once, or let this
 command do it), tagging whole paragraphs around each window so sentences cut by the
 window's edges are tagged in context. Universal tagset (Petrov et al. 2012); with
 ``--noun-number`` the rows ``NOUN.sg`` (NN, NNP) and ``NOUN.pl`` (NNS, NNPS) are added
@@ -78,9 +78,9 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from probekit.engine import RunResult, StepEngine
-from probekit.postag import NOUN_PLURAL, NOUN_SINGULAR
-from probekit.recirculation import Recirculation
+from probekit.core.engine import RunResult, StepEngine
+from probekit.data.postag import NOUN_PLURAL, NOUN_SINGULAR
+from probekit.mechanisms.recirculation import Recirculation
 
 UNIVERSAL_TAGS = ("ADJ", "ADP", "ADV", "CONJ", "DET", "NOUN", "NUM", "PRON", "PRT", "VERB",
                   ".", "X")
@@ -113,8 +113,8 @@ class WindowTags:
 
 
 def window_tags(window, document_text: str | None = None) -> WindowTags:
-    """Tag a :class:`probekit.corpora.Window` (whole paragraphs when the text is given)."""
-    from probekit.postag import noun_number_tag, token_words
+    """Tag a :class:`probekit.data.corpora.Window` (whole paragraphs when the text is given)."""
+    from probekit.data.postag import noun_number_tag, token_words
 
     words = token_words(window, document_text)
     universal = [w.universal if w else "" for w in words]
@@ -199,7 +199,7 @@ def bootstrap_samples(base_sum: np.ndarray, rec_sum: np.ndarray, count: np.ndarr
 
     ``base_sum, rec_sum, count`` are ``[W, G]`` per-window sums for ``G`` statistics; all
     ``G`` use the same resamples, the window indices drawn as in
-    :func:`probekit.perplexity.bootstrap_ci` (so equal seeds give equal resamples).
+    :func:`probekit.analysis.perplexity.bootstrap_ci` (so equal seeds give equal resamples).
     NaN where a resample holds no token of a statistic.
     """
     base_sum, rec_sum, count = (np.asarray(a, float) for a in (base_sum, rec_sum, count))
@@ -364,8 +364,8 @@ def _error_bars(ax, x, rows, mid, lo, hi) -> None:
 
 # ---------------------------------------------------------------------------- CLI
 def add_cli(sub) -> None:
-    from probekit.cli import add_model_args, add_run_args
-    from probekit.perplexity import add_corpus_args, add_recirculation_args
+    from probekit.commands.main import add_model_args, add_run_args
+    from probekit.analysis.perplexity import add_corpus_args, add_recirculation_args
 
     p = sub.add_parser("pos-attribution",
                        help="which parts of speech recirculation helps (paper Fig. 9c, C.3)",
@@ -397,10 +397,10 @@ def _part_key(tag: str) -> str:
 
 
 def run_cli(args) -> int:
-    from probekit.corpora import load_corpus
-    from probekit.models import load_model
-    from probekit.perplexity import corpus_windows_from_args, recirculation_from_args
-    from probekit.postag import ensure_tagger
+    from probekit.data.corpora import load_corpus
+    from probekit.core.models import load_model
+    from probekit.analysis.perplexity import corpus_windows_from_args, recirculation_from_args
+    from probekit.data.postag import ensure_tagger
     from probekit.runs import RunDir
 
     # Validate everything cheap, and the tagger, before loading the model.

@@ -24,9 +24,9 @@ when the model rarely prefers the right label in the first place.
 Fast path (:func:`patched_label_logits`): only the final position is affected, and only
 from depth ``r`` upward, so the patched readout is blocks ``r .. L-1`` run for that one
 position on the cache of positions ``< T-1`` the readout pass attended to
-(:class:`probekit.capture.Capture`), then the unembedding. That is exact for any
+(:class:`probekit.analysis.capture.Capture`), then the unembedding. That is exact for any
 mechanism whose final-token readout is a plain pass over that cache (the
-:class:`probekit.capture.Mechanism` contract). The slow definition
+:class:`probekit.analysis.capture.Mechanism` contract). The slow definition
 (:func:`reference_patched_logits`: re-run the whole regime with a hook replacing the
 residual) is kept for tests. Invariants the tests pin: patching a row with its own
 residuals reproduces its clean logits at every depth; patching depth ``L`` gives the
@@ -43,8 +43,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from probekit.capture import Capture, Mechanism, capture_final, depth_hook_names
-from probekit.engine import StepEngine
+from probekit.analysis.capture import Capture, Mechanism, capture_final, depth_hook_names
+from probekit.core.engine import StepEngine
 
 
 def _model_dtype(engine: StepEngine) -> torch.dtype:

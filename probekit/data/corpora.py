@@ -1,6 +1,6 @@
 """Text corpora and fixed-length token windows for perplexity, lag and PoS runs.
 
-    from probekit.corpora import load_corpus, make_windows
+    from probekit.data.corpora import load_corpus, make_windows
     docs = load_corpus("wiki")                        # 106 English Wikipedia articles
     windows = make_windows(docs, tokenizer, 512, 64)  # 64 full windows of 512 tokens
 
@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from probekit.models import cache_dir
+from probekit.core.models import cache_dir
 from probekit.runs import write_text
 
 WIKI_DUMP = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
