@@ -9,13 +9,20 @@ Every long command writes one folder::
         summary.json     the results, written last
         *.png            plots
 
-The folder name is a hash of the config, so re-running an interrupted command with
-the same arguments finds its folder and skips the parts already on disk; each part is
-written atomically (temp file + rename), so a kill never leaves half a part.
+The folder name is a hash of the run's **identity**: the command's config dataclass
+(every field but those marked ``identity=False``, such as ``--threads`` or
+``--run-dir``), the model's content hash, and a content hash of every input file the
+run reads (``inputs=``: text files, checkpoints). Re-running an interrupted command
+with the same arguments and inputs finds its folder; :meth:`RunDir.map`, the one
+resumable loop, skips the units already on disk. Each part is written atomically
+(temp file + rename) and records its unit key, so a kill never leaves half a part and a
+part is never used for another unit: one that fails to load or holds another key is
+recomputed, with a one-line warning.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -23,11 +30,18 @@ import platform
 import sys
 import tempfile
 import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+from tqdm.auto import tqdm
+
+from probekit.paths import RUNS_ROOT
+
+U = TypeVar("U")
 
 PACKAGES = ("probekit-recurrence", "torch", "transformers", "transformer-lens", "nnsight",
             "numpy", "scikit-learn", "nltk", "gensim")
@@ -45,6 +59,44 @@ def versions() -> dict[str, str]:
 
 def config_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def not_identity(default: Any = dataclasses.MISSING, **kw) -> Any:
+    """A dataclass field that does not change results (``--threads``, ``--run-dir``...):
+    left out of the run identity (:func:`identity`)."""
+    if default is not dataclasses.MISSING:
+        kw["default"] = default
+    return dataclasses.field(metadata={"identity": False}, **kw)
+
+
+def identity(config: Any) -> Any:
+    """The JSON-friendly identity of a config: dataclasses become dicts of their fields,
+    recursively, without fields marked :func:`not_identity`."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return {f.name: identity(getattr(config, f.name)) for f in dataclasses.fields(config)
+                if f.metadata.get("identity", True)}
+    if isinstance(config, Mapping):
+        return {str(k): identity(v) for k, v in config.items()}
+    if isinstance(config, (list, tuple)):
+        return [identity(v) for v in config]
+    if isinstance(config, Path):
+        return str(config)
+    return config
+
+
+def file_hash(path: str | Path) -> str:
+    """sha256 of a file's bytes, or of every file under a folder (relative names included),
+    first 16 hex characters: how an input enters the run identity."""
+    path = Path(path)
+    h = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for f in files:
+        if path.is_dir():
+            h.update(str(f.relative_to(path)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -88,25 +140,44 @@ class RunDir:
         self.path = Path(path)
 
     @classmethod
-    def open(cls, command: str, config: dict, *, model=None, root: str | Path = "runs",
-             path: str | Path | None = None, fresh: bool = False) -> RunDir:
-        """Create ``root/<command>-<hash(config)>`` or resume it if it holds the same config.
+    def open(cls, command: str, config: Any, *, model=None,
+             inputs: Mapping[str, str | Path | None] | None = None,
+             root: str | Path = RUNS_ROOT, path: str | Path | None = None,
+             fresh: bool = False) -> RunDir:
+        """Create ``root/<command>-<hash(identity)>`` or resume it if it holds this identity.
 
-        ``fresh=True`` forgets finished parts of an earlier run with this config."""
-        path = Path(path) if path else Path(root) / f"{command}-{config_hash(config)}"
+        Args:
+            config: the command's config (a dataclass, or a plain dict).
+            model: the :class:`probekit.LoadedModel`; its content hash enters the identity.
+            inputs: files or folders the run reads, by name (None entries are skipped);
+                their content hashes enter the identity, so editing one starts a new run.
+            fresh: forget finished parts of an earlier run with this identity.
+        """
+        ident = {"config": identity(config)}
+        if model is not None:
+            ident["model_hash"] = model.content_hash
+        if inputs:
+            ident["inputs"] = {k: file_hash(v) for k, v in inputs.items() if v is not None}
+        path = Path(path) if path else Path(root) / f"{command}-{config_hash(ident)}"
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"--run-dir {path} is a file; give a folder")
         run = cls(path)
         cfg_file = path / "config.json"
         if cfg_file.exists():
-            old = json.loads(cfg_file.read_text())
-            if json.loads(json.dumps(config, default=str)) != old:
+            try:
+                old = json.loads(cfg_file.read_text())
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ValueError(f"{cfg_file} is not valid JSON ({e}); delete the run folder "
+                                 f"or choose another --run-dir") from None
+            if json.loads(json.dumps(ident, default=str)) != old:
                 raise ValueError(
-                    f"{path} holds a run with a different config; choose another --run-dir "
-                    f"or delete it"
+                    f"{path} holds a run with a different config or inputs; choose another "
+                    f"--run-dir or delete it"
                 )
             if fresh:
                 for p in (path / "parts").glob("*.npz"):
                     p.unlink()
-        write_json(cfg_file, config)
+        write_json(cfg_file, ident)
         manifest = {
             "command": command,
             "argv": sys.argv,
@@ -120,6 +191,44 @@ class RunDir:
         write_json(path / "manifest.json", manifest)
         return run
 
+    def map(self, units: Iterable[tuple[str, U]], compute: Callable[[U], Mapping[str, Any]],
+            *, desc: str = "", progress: bool = True) -> dict[str, dict[str, np.ndarray]]:
+        """The one resumable loop: ``{key: part}`` for every ``(key, unit)``, in order.
+
+        A unit whose part is on disk (written by an earlier, possibly interrupted run) is
+        loaded; any other is computed with ``compute(unit)`` (a mapping of arrays) and
+        saved before the next starts, so a kill loses at most the unit in progress."""
+        units = list(units)
+        keys = [k for k, _ in units]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"unit keys must be unique; got {keys}")
+        out: dict[str, dict[str, np.ndarray]] = {}
+        bar = tqdm(units, desc=desc or self.path.name, unit="part", disable=not progress)
+        for key, unit in bar:
+            part = self._load_checked(key)
+            if part is None:
+                part = {k: np.asarray(v) for k, v in compute(unit).items()}
+                self.save_part(key, **part)
+            out[key] = part
+        return out
+
+    def _load_checked(self, key: str) -> dict[str, np.ndarray] | None:
+        """The part of ``key`` if it is on disk, loads, and belongs to ``key``; else None
+        (a damaged or foreign part is reported and recomputed)."""
+        if not self.has_part(key):
+            return None
+        try:
+            part = self.load_part(key, keep_unit=True)
+        except Exception as e:  # a truncated or garbled file: any loader error
+            warnings.warn(f"{self.part_path(key)} is damaged ({type(e).__name__}); "
+                          f"recomputing it", stacklevel=3)
+            return None
+        if str(part.pop("__unit__", key)) != key:
+            warnings.warn(f"{self.part_path(key)} belongs to another unit; recomputing it",
+                          stacklevel=3)
+            return None
+        return part
+
     def part_path(self, key: str) -> Path:
         return self.path / "parts" / f"{key}.npz"
 
@@ -127,11 +236,15 @@ class RunDir:
         return self.part_path(key).exists()
 
     def save_part(self, key: str, **arrays: Any) -> None:
+        arrays = {"__unit__": np.array(key), **arrays}
         _atomic_write(self.part_path(key), lambda f: np.savez(f, **arrays))
 
-    def load_part(self, key: str) -> dict[str, np.ndarray]:
+    def load_part(self, key: str, *, keep_unit: bool = False) -> dict[str, np.ndarray]:
         with np.load(self.part_path(key), allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
+            part = {k: z[k] for k in z.files}
+        if not keep_unit:
+            part.pop("__unit__", None)
+        return part
 
     def write_json(self, name: str, obj: Any) -> Path:
         write_json(self.path / name, obj)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from probekit.commands.main import main
-from probekit.analysis.perplexity import PerplexitySummary, bootstrap_ci, pct_change, perplexity
+from probekit.analysis.perplexity import PerplexitySummary, pct_change, perplexity
+from probekit.analysis.stats import window_bootstrap
 
 
 def test_perplexity_and_pct_change():
@@ -28,7 +29,8 @@ def test_bootstrap_ci_is_seeded_and_brackets_the_estimate():
     assert s.ci_low <= s.pct_change <= s.ci_high < 0
     again = PerplexitySummary.from_log_probs(base, rec, n_boot=500, seed=1)
     assert (again.ci_low, again.ci_high) == (s.ci_low, s.ci_high)
-    assert bootstrap_ci(lambda idx: 0.0, 1) != bootstrap_ci(lambda idx: 0.0, 1)  # NaN for n=1
+    one = window_bootstrap(np.array([-3.0]), np.array([-2.9]), np.array([1.0]))
+    assert np.isnan(one["ci_low"]) and np.isnan(one["ci_high"])  # no interval for n=1
 
 
 ARGS = ["perplexity", "--model", "tiny-5", "--source", "3", "--destination", "1",
@@ -74,10 +76,11 @@ def test_cli_end_to_end_and_resume(tmp_path, tiny_model, capsys):
 @pytest.mark.parametrize("extra,message", [
     (["--alpha", "1.5"], "alpha must lie in [0, 1]; got 1.5"),
     (["--source", "1", "--destination", "3"], "source (1) must be a deeper block than"),
-    (["--source", "7"], "source block 7 is out of range: this model has 5 blocks"),
+    (["--source", "7"], "--source 7 is out of range: this model has 5 blocks"),
     (["--window-tokens", "4096"], "4096"),
     (["--windows", "0"], "--windows must be >= 1; got 0"),
-    (["--temperature", "0"], "--temperature must be > 0; got 0.0"),
+    (["--temperature", "0"], "--temperature must be a finite number > 0; got 0.0"),
+    (["--temperature", "inf"], "--temperature must be a finite number > 0; got inf"),
 ])
 def test_cli_bad_input_is_one_clear_line(tmp_path, tiny_model, capsys, extra, message):
     assert main(ARGS + extra + ["--run-dir", str(tmp_path / "r")]) == 2

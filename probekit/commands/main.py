@@ -1,68 +1,81 @@
-"""The ``probekit`` command. Each feature module registers its own sub-command.
+"""The ``probekit`` command: picks a command module and runs it.
 
-A module in ``COMMANDS`` defines ``add_cli(subparsers)``, which adds a parser and sets
-``func`` (called with the parsed namespace) as its default.
+Each command lives in its own module of :mod:`probekit.commands` with a ``Config``
+dataclass (tyro makes its flags) and ``run(config)``. Modules are imported only when
+their command is asked for, so ``probekit --help`` answers without loading torch.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import sys
 
-COMMANDS = (
-    "probekit.analysis.perplexity",
-    "probekit.analysis.pos_attribution",
-    "probekit.analysis.lag",
-    "probekit.analysis.sweep",
-    "probekit.commands.run",
-    "probekit.training.feedback",
-    "probekit.analysis.stability",
-)
+#: command words -> module in probekit.commands
+COMMANDS = {
+    ("perplexity",): "perplexity",
+    ("lag-analysis",): "lag_analysis",
+    ("sweep",): "sweep",
+    ("pos-attribution",): "pos_attribution",
+    ("run", "state-tracking"): "state_tracking",
+    ("train-feedback",): "train_feedback",
+    ("feedback-stability",): "feedback_stability",
+}
+SUMMARY = {
+    "perplexity": "baseline vs recirculated perplexity on a corpus",
+    "lag-analysis": "benefit of recirculating one token at each later lag (Fig. 9)",
+    "sweep": "perplexity change over (source, destination) pairs, alphas, norms; looping",
+    "pos-attribution": "perplexity change by part of speech; selective recirculation",
+    "run state-tracking": "probe and patch task state per depth under prefill regimes (Fig. 7)",
+    "train-feedback": "train a latent-feedback gate or a from-scratch organism",
+    "feedback-stability": "stability of the learned feedback over many passes (Fig. 3)",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="probekit",
-        description="Mechanistic interpretability of vertical recurrence in transformers.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMANDS:
-        importlib.import_module(name).add_cli(sub)
-    return parser
+def usage() -> str:
+    width = max(len(c) for c in SUMMARY)
+    rows = "\n".join(f"  {c:<{width}}  {s}" for c, s in SUMMARY.items())
+    return ("usage: probekit COMMAND [--help] [OPTIONS]\n\n"
+            "Mechanistic interpretability of vertical recurrence in transformers.\n\n"
+            f"commands:\n{rows}\n\nGuides: docs/ (one page per command).")
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m",
-                   help="smollm2-135m (default, offline), tiny, a local HF folder, a .gguf "
-                        "file, or a hub name when a hub is reachable")
-    p.add_argument("--backend", default="lens", choices=["lens"], help="execution backend")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice)")
+def find_command(argv: list[str]) -> tuple[str, str, list[str]]:
+    """``(command words, module name, remaining argv)``; UsageError if none matches."""
+    from probekit.commands.common import UsageError
 
-
-def add_run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run-dir", default=None,
-                   help="run folder (default runs/<command>-<config hash>; an existing one "
-                        "with the same config is resumed)")
-    p.add_argument("--fresh", action="store_true", help="ignore finished parts of an earlier run")
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    for words, module in COMMANDS.items():
+        if tuple(argv[: len(words)]) == words:
+            return " ".join(words), module, argv[len(words):]
+    got = " ".join(argv[:2]) or "nothing"
+    raise UsageError(f"unknown command {got!r}; choose one of: {', '.join(SUMMARY)}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "threads", None):
-        import torch
-
-        torch.set_num_threads(args.threads)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    if argv == ["run"] or argv[:2] in (["run", "-h"], ["run", "--help"]):
+        print("usage: probekit run EXPERIMENT [OPTIONS]\n\nexperiments:\n  state-tracking")
+        return 0 if len(argv) > 1 else 2
+    name = argv[0]
     try:
-        return args.func(args) or 0
+        from probekit.commands.common import parse
+
+        name, module_name, rest = find_command(argv)
+        module = importlib.import_module(f"probekit.commands.{module_name}")
+        config = parse(module.Config, rest, prog=f"probekit {name}")
+        return module.run(config) or 0
+    except KeyboardInterrupt:
+        print(f"\nprobekit {name}: interrupted; rerun the same command to resume",
+              file=sys.stderr)
+        return 130
     except (ValueError, FileNotFoundError, LookupError) as e:
         # Bad input: one clear line, no traceback (PROBEKIT_DEBUG=1 shows it).
         if os.environ.get("PROBEKIT_DEBUG"):
             raise
-        print(f"probekit {args.command}: error: {e}", file=sys.stderr)
+        print(f"probekit {name}: error: {e}", file=sys.stderr)
         return 2
 
 

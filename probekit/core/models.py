@@ -57,11 +57,12 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import platformdirs
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from probekit.paths import cache_dir
 
 __all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelNotFoundError", "cache_dir", "load_model"]
 
@@ -104,11 +105,6 @@ class LoadedModel:
     n_ctx: int
     content_hash: str
     source: str
-
-
-def cache_dir() -> Path:
-    """Root of probekit's cache: `$PROBEKIT_CACHE_DIR` or the platform user cache dir."""
-    return Path(os.environ.get("PROBEKIT_CACHE_DIR") or platformdirs.user_cache_dir("probekit"))
 
 
 def load_model(

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from probekit.core.models import cache_dir
+from probekit.paths import cache_dir
 from probekit.runs import write_text
 
 WIKI_DUMP = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"

@@ -62,15 +62,13 @@ import bisect
 import functools
 import importlib.util
 import json
-import os
 import pickle
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-import platformdirs
-
+from probekit.paths import data_dir
 from probekit.runs import write_text
 
 if TYPE_CHECKING:
@@ -127,8 +125,8 @@ class TaggedWord(NamedTuple):
 
 
 def default_data_dir() -> Path:
-    """probekit's data directory: ``PROBEKIT_DATA_DIR`` or the platform's user data dir."""
-    return Path(os.environ.get("PROBEKIT_DATA_DIR") or platformdirs.user_data_dir("probekit"))
+    """probekit's data directory (:func:`probekit.paths.data_dir`)."""
+    return data_dir()
 
 
 def ensure_tagger(data_dir: str | Path | None = None) -> Path:

@@ -39,6 +39,22 @@ from probekit.core.engine import Recurrence, Rerun, Step
 NORMS = ("ratio", "none")
 
 
+def default_pair(n_blocks: int) -> tuple[int, int]:
+    """``(source, destination)`` for a model of ``n_blocks`` blocks when none is given:
+    ``s = round(2L/3)``, ``d = round(L/3)``, clipped to ``0 <= d < s <= L - 1``.
+
+    Why: the paper's working pairs sit mid-stack, a deep-but-not-top source fed a third
+    of the way up (Gemma 3 1B, 26 blocks: s=11, d=4; Sec. 4.1); the top blocks specialise
+    in the readout, and the first blocks in token identity. The rule gives SmolLM2-135M
+    (30 blocks) its long-standing (20, 10), Gemma 3 270M (18) (12, 6), and a 4-block tiny
+    model (3, 1). One block has no pair: recirculation needs two."""
+    if not isinstance(n_blocks, int) or n_blocks < 2:
+        raise ValueError(f"recirculation needs a model of at least 2 blocks; got {n_blocks}")
+    source = min(n_blocks - 1, max(1, round(2 * n_blocks / 3)))
+    destination = min(source - 1, round(n_blocks / 3))
+    return source, destination
+
+
 @dataclass(frozen=True)
 class RecirculationPath:
     """One ``(source, destination, alpha, beta)`` path; block indices are zero-based
