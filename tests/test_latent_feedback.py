@@ -9,6 +9,16 @@ import pytest
 import torch
 
 from probekit.core.engine import StepEngine
+from probekit.core.models import load_model
+from probekit.mechanisms.generation import generate, sample_next
+from probekit.mechanisms.latent_feedback import (
+    FeedbackGate,
+    LatentFeedback,
+    Regime,
+    plan,
+    prefill,
+    reference_latent_feedback,
+)
 from probekit.training.feedback import (
     TrainConfig,
     TrainData,
@@ -19,16 +29,6 @@ from probekit.training.feedback import (
     save_checkpoint,
     train,
 )
-from probekit.mechanisms.generation import generate, sample_next
-from probekit.mechanisms.latent_feedback import (
-    FeedbackGate,
-    LatentFeedback,
-    Regime,
-    plan,
-    prefill,
-    reference_latent_feedback,
-)
-from probekit.core.models import load_model
 
 torch.set_num_threads(1)
 ATOL = 3e-5  # float32: cached, parallel and uncached paths sum in different orders

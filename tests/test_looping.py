@@ -7,8 +7,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest
 import torch
 
-from probekit.mechanisms.looping import Looping, reference_looping
 from probekit.core.models import load_model
+from probekit.mechanisms.looping import Looping, reference_looping
 
 torch.set_num_threads(1)
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from probekit.commands.main import main
 from probekit.analysis.perplexity import PerplexitySummary, pct_change, perplexity
 from probekit.analysis.stats import window_bootstrap
+from probekit.commands.main import main
 
 
 def test_perplexity_and_pct_change():

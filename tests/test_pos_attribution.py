@@ -11,10 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from probekit.commands import main as cli
-from probekit.data import postag
-from probekit.data.corpora import Document, make_windows
-from probekit.core.engine import Recurrence, StepEngine
 from probekit.analysis.pos_attribution import (
     UNIVERSAL_TAGS,
     WindowTags,
@@ -28,6 +24,10 @@ from probekit.analysis.pos_attribution import (
     tag_changes,
     window_bootstrap,
 )
+from probekit.commands import main as cli
+from probekit.core.engine import Recurrence, StepEngine
+from probekit.data import postag
+from probekit.data.corpora import Document, make_windows
 from probekit.mechanisms.recirculation import Recirculation
 from probekit.mechanisms.reference import reference_recirculation
 

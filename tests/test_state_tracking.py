@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from probekit.analysis.capture import RecirculationMechanism
-from probekit.commands.main import main
 from probekit.analysis.state_tracking import (
     StateTrackingConfig,
     build_datasets,
     plan_batches,
     run_state_tracking,
 )
+from probekit.commands.main import main
 
 torch.set_num_threads(1)
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from probekit.analysis import sweep
-from probekit.mechanisms.looping import Looping
 from probekit.analysis.perplexity import pct_change
-from probekit.runs import RunDir
 from probekit.analysis.sweep import Cell, RowwiseRecirculation, make_cells, make_pairs, plan_groups
+from probekit.mechanisms.looping import Looping
+from probekit.runs import RunDir
 
 torch.set_num_threads(1)
 TEXT = ("Recirculation mixes a deep layer's residual into a shallow layer after every token, "

@@ -500,8 +500,8 @@ def plot_lag_analysis(single: dict, complement: dict | None, title: str):
 
 
 def add_cli(subparsers) -> None:
-    from probekit.commands.main import add_model_args, add_run_args
     from probekit.analysis.perplexity import add_corpus_args, add_recirculation_args
+    from probekit.commands.main import add_model_args, add_run_args
 
     p = subparsers.add_parser(
         "lag-analysis",
@@ -528,8 +528,8 @@ def add_cli(subparsers) -> None:
 
 
 def run_cli(args) -> int:
-    from probekit.core.models import load_model
     from probekit.analysis.perplexity import corpus_windows_from_args, recirculation_from_args
+    from probekit.core.models import load_model
     from probekit.runs import RunDir
 
     # Validate every flag before loading anything.

@@ -364,8 +364,8 @@ def _error_bars(ax, x, rows, mid, lo, hi) -> None:
 
 # ---------------------------------------------------------------------------- CLI
 def add_cli(sub) -> None:
-    from probekit.commands.main import add_model_args, add_run_args
     from probekit.analysis.perplexity import add_corpus_args, add_recirculation_args
+    from probekit.commands.main import add_model_args, add_run_args
 
     p = sub.add_parser("pos-attribution",
                        help="which parts of speech recirculation helps (paper Fig. 9c, C.3)",
@@ -397,9 +397,9 @@ def _part_key(tag: str) -> str:
 
 
 def run_cli(args) -> int:
-    from probekit.data.corpora import load_corpus
-    from probekit.core.models import load_model
     from probekit.analysis.perplexity import corpus_windows_from_args, recirculation_from_args
+    from probekit.core.models import load_model
+    from probekit.data.corpora import load_corpus
     from probekit.data.postag import ensure_tagger
     from probekit.runs import RunDir
 

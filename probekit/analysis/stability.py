@@ -165,9 +165,9 @@ def add_cli(sub) -> None:
 
 
 def run_cli(args) -> int:
-    from probekit.training.feedback import read_checkpoint_config
     from probekit.mechanisms.latent_feedback import LatentFeedbackMechanism
     from probekit.runs import RunDir
+    from probekit.training.feedback import read_checkpoint_config
 
     if args.passes < 1:
         raise ValueError(f"--passes must be >= 1; got {args.passes}")

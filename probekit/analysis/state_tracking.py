@@ -65,8 +65,8 @@ from probekit.analysis.causal import (
     patched_label_logits,
     readout_logits,
 )
-from probekit.core.engine import StepEngine
 from probekit.analysis.probing import DepthProbe
+from probekit.core.engine import StepEngine
 from synthetic import TASKS, Dataset, label_token_ids, make_task
 
 #: Default examples per task: small enough that ``--recurrence full`` on the default model
@@ -408,8 +408,8 @@ def _words(values: Sequence[str]) -> list[str]:
 
 def add_experiment_cli(sub) -> None:
     """Add ``state-tracking`` to the sub-parsers of ``probekit run``."""
-    from probekit.commands.main import add_model_args, add_run_args
     from probekit.analysis.perplexity import add_recirculation_args
+    from probekit.commands.main import add_model_args, add_run_args
 
     p = sub.add_parser("state-tracking", help="probe and patch task state per depth (Fig. 7)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -57,9 +57,9 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from probekit.analysis.perplexity import pct_change, perplexity
 from probekit.core.engine import Recurrence, Rerun, Step, StepEngine
 from probekit.mechanisms.looping import Looping
-from probekit.analysis.perplexity import pct_change, perplexity
 from probekit.mechanisms.recirculation import Recirculation, mix
 
 # scheme -> (norm, beta); beta None = 1 - alpha (convex).
@@ -478,8 +478,8 @@ def parse_floats(spec: str, what: str) -> list[float]:
 
 
 def add_cli(subparsers) -> None:
-    from probekit.commands.main import add_model_args, add_run_args
     from probekit.analysis.perplexity import add_corpus_args
+    from probekit.commands.main import add_model_args, add_run_args
 
     p = subparsers.add_parser(
         "sweep",
@@ -514,8 +514,8 @@ def add_cli(subparsers) -> None:
 
 
 def run_cli(args) -> int:
-    from probekit.core.models import load_model
     from probekit.analysis.perplexity import corpus_windows_from_args
+    from probekit.core.models import load_model
     from probekit.runs import RunDir
 
     pairs_spec = ":".join(args.pairs)

@@ -475,8 +475,8 @@ class LatentFeedbackMechanism(Mechanism):
     def load_model(cls, args):
         """The model to run: an organism checkpoint's own model unless ``--model`` names
         another (which :meth:`from_args` then rejects), else ``--model``."""
-        from probekit.training.feedback import read_checkpoint_config
         from probekit.core.models import DEFAULT_MODEL, load_model
+        from probekit.training.feedback import read_checkpoint_config
 
         path = Path(cls._checkpoint(args))
         cfg = read_checkpoint_config(path)

@@ -755,8 +755,8 @@ def run_cli(args) -> int:
     import shutil
 
     from probekit.core.models import load_model
-    from probekit.training.organism import OrganismConfig
     from probekit.runs import RunDir
+    from probekit.training.organism import OrganismConfig
 
     config = config_from_args(args)  # validates before anything is loaded
     organism_config = None

@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from probekit.core.backends.base import Backend
-from probekit.core.kv_cache import KVCache
 from probekit.core.backends.llama_block import block_weights, llama_block
+from probekit.core.kv_cache import KVCache
 
 
 class LensBackend(Backend):
