@@ -115,7 +115,7 @@ def main() -> None:
         }, args.repeats)
         # (c): time the naive loop at a few prefix lengths, sum a fitted line over t.
         probes = sorted({0, T // 4, T // 2, 3 * T // 4, T - 1})
-        stored = torch.zeros(B, T, engine.backend.d_model)
+        stored = torch.zeros(B, T, engine.model.d_model)
         per_t = []
         for tt in probes:
             t0 = CLOCK()

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 PROBEKIT=${PROBEKIT:-probekit}
 RUN=runs/sweep-smollm2-norms
 
-"$PROBEKIT" sweep --pairs max-gap 12 --step 3 --destinations 1:23:3 --sources 4:30:3 \
-    --alphas 0.1 --norms convex,beta1,none --looping \
+"$PROBEKIT" sweep --pairs max-gap --max-gap 12 --step 3 --destinations 1:23:3 --sources 4:30:3 \
+    --alphas 0.1 --norms convex beta1 none --looping \
     --corpus wiki --windows 4 --window-tokens 128 --rows 64 --threads 1 --run-dir "$RUN"
 cp "$RUN/looping.png" figures/looping_vs_recirculation.png

@@ -14,8 +14,8 @@ PROBEKIT=${PROBEKIT:-probekit}
 RUN=runs/sweep-smollm2-alphas
 
 # destinations 7,10,13,16; sources 10,13,...,28; source - destination <= 9
-"$PROBEKIT" sweep --pairs max-gap 9 --step 3 --destinations 7:17:3 --sources 10:29:3 \
-    --alphas 0.04,0.1,0.2 --norms convex \
+"$PROBEKIT" sweep --pairs max-gap --max-gap 9 --step 3 --destinations 7:17:3 --sources 10:29:3 \
+    --alphas 0.04 0.1 0.2 --norms convex \
     --corpus wiki --windows 4 --window-tokens 128 --rows 72 --threads 1 --run-dir "$RUN"
 cp "$RUN/sweep.png" figures/sweep_alphas.png
 cp "$RUN/summary.json" figures/sweep_alphas.json

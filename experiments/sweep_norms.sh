@@ -16,8 +16,8 @@ PROBEKIT=${PROBEKIT:-probekit}  # run inside the venv (or set PROBEKIT)
 RUN=runs/sweep-smollm2-norms
 
 # destinations 1,4,...,22; sources 4,7,...,28; source - destination <= 12
-"$PROBEKIT" sweep --pairs max-gap 12 --step 3 --destinations 1:23:3 --sources 4:30:3 \
-    --alphas 0.1 --norms convex,beta1,none --looping \
+"$PROBEKIT" sweep --pairs max-gap --max-gap 12 --step 3 --destinations 1:23:3 --sources 4:30:3 \
+    --alphas 0.1 --norms convex beta1 none --looping \
     --corpus wiki --windows 4 --window-tokens 128 --rows 64 --threads 1 --run-dir "$RUN"
 cp "$RUN/sweep.png" figures/sweep_norms.png
 cp "$RUN/summary.json" figures/sweep_norms.json

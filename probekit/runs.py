@@ -43,6 +43,9 @@ from probekit.paths import RUNS_ROOT
 
 U = TypeVar("U")
 
+# Run folders this process has locked (path -> open lock file), held until it exits.
+_HELD: dict[str, Any] = {}
+
 PACKAGES = ("probekit-recurrence", "torch", "transformers", "transformer-lens", "nnsight",
             "numpy", "scikit-learn", "nltk", "gensim")
 
@@ -138,6 +141,31 @@ class RunDir:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+        self._lock_file = None
+
+    def _lock(self) -> None:
+        """Hold an exclusive lock on the folder for this process's life. A second run of
+        the same command waits here, then finds the first's parts and reuses them."""
+        import fcntl
+
+        key = str(self.path.resolve())
+        if key in _HELD:  # this process holds it already (the folder opened twice)
+            self._lock_file = _HELD[key]
+            return
+        f = open(self.path / ".lock", "a+")  # noqa: SIM115 - held until the process exits
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            warnings.warn(f"another process (pid {holder}) is running in {self.path}; "
+                          f"waiting for it to finish, then reusing its results", stacklevel=3)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        self._lock_file = _HELD[key] = f
 
     @classmethod
     def open(cls, command: str, config: Any, *, model=None,
@@ -161,7 +189,9 @@ class RunDir:
         path = Path(path) if path else Path(root) / f"{command}-{config_hash(ident)}"
         if path.exists() and not path.is_dir():
             raise ValueError(f"--run-dir {path} is a file; give a folder")
+        path.mkdir(parents=True, exist_ok=True)
         run = cls(path)
+        run._lock()
         cfg_file = path / "config.json"
         if cfg_file.exists():
             try:
@@ -175,7 +205,7 @@ class RunDir:
                     f"--run-dir or delete it"
                 )
             if fresh:
-                for p in (path / "parts").glob("*.npz"):
+                for p in (path / "parts").glob("*"):
                     p.unlink()
         write_json(cfg_file, ident)
         manifest = {
@@ -227,7 +257,24 @@ class RunDir:
             warnings.warn(f"{self.part_path(key)} belongs to another unit; recomputing it",
                           stacklevel=3)
             return None
+        if self._recorded().get(key) != file_hash(self.part_path(key)):
+            warnings.warn(f"{self.part_path(key)} does not match the checksum this run "
+                          f"recorded for it; recomputing it", stacklevel=3)
+            return None
         return part
+
+    def _recorded(self) -> dict[str, str]:
+        """``{key: sha}`` of the parts this run wrote (``parts/index.jsonl``, last wins)."""
+        index = self.path / "parts" / "index.jsonl"
+        out = {}
+        if index.exists():
+            for line in index.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                    out[row["key"]] = row["sha256"]
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut by a kill: its part is simply recomputed
+        return out
 
     def part_path(self, key: str) -> Path:
         return self.path / "parts" / f"{key}.npz"
@@ -236,8 +283,13 @@ class RunDir:
         return self.part_path(key).exists()
 
     def save_part(self, key: str, **arrays: Any) -> None:
+        """Write a part atomically, then record its key and checksum in the run's index
+        (a part without a matching record is never reused)."""
         arrays = {"__unit__": np.array(key), **arrays}
         _atomic_write(self.part_path(key), lambda f: np.savez(f, **arrays))
+        row = json.dumps({"key": key, "sha256": file_hash(self.part_path(key))})
+        with open(self.path / "parts" / "index.jsonl", "a") as f:
+            f.write(row + "\n")
 
     def load_part(self, key: str, *, keep_unit: bool = False) -> dict[str, np.ndarray]:
         with np.load(self.part_path(key), allow_pickle=False) as z:

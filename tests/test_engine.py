@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from probekit.core.engine import StepEngine
+from probekit.core.kv_cache import KVCache
 from probekit.mechanisms.recirculation import Recirculation, RecirculationPath, mix
 from probekit.mechanisms.reference import reference_recirculation
 
@@ -117,6 +118,51 @@ def test_cache_keeps_first_pass_kv_where_nothing_recirculates(tiny_engine):
                 assert not torch.allclose(seen[(b, 0, p)], seen[(b, 1, p)])
 
 
+class RecordingCache(KVCache):
+    """A KV cache that remembers the first keys/values ever written at each (block,
+    position): a position's first-pass entries, whatever later passes write."""
+
+    def __init__(self, n_blocks, max_len):
+        super().__init__(n_blocks, max_len)
+        self.first = {}  # (block, position) -> (keys, values), each [batch, kv_heads, head_dim]
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        start = self.lengths[layer_idx]
+        for j in range(key.shape[2]):
+            self.first.setdefault((layer_idx, start + j),
+                                  (key[:, :, j].clone(), value[:, :, j].clone()))
+        return super().update(key, value, layer_idx, *args, **kwargs)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4])
+def test_inactive_positions_keep_first_pass_kv_in_every_block(tiny_engine, block_size):
+    """SEMANTICS.md: positions that do not recirculate keep first-pass K/V everywhere, also
+    in a chunk of K > 1 positions where an active position precedes them (issue 8: the
+    whole chunk used to be re-run, giving them new K/V). Per-row masks, ragged rows."""
+    s, d, L = 4, 1, tiny_engine.n_blocks
+    lengths = [12, 9, 11]
+    ids = random_ids(3, 12, seed=12)
+    rows = [ids[i, :n].tolist() for i, n in enumerate(lengths)]
+    mask = torch.zeros(3, 12, dtype=torch.bool)
+    mask[0, 1] = True  # the issue's case: K=4, mask {1}
+    mask[1, [0, 5, 6]] = True
+    mask[2, [2, 3, 7, 10]] = True
+    cache = RecordingCache(L, 12)
+    rec = Recirculation(s, d, alpha=0.5, iterations=2)
+    res = tiny_engine.run(rows, rec, mask=mask, block_size=block_size, cache=cache,
+                          return_cache=True)
+    for b in range(L):
+        keys, values = res.cache.block_kv(b)
+        for i, n in enumerate(lengths):
+            for p in range(n):
+                k0, v0 = (x[i] for x in cache.first[(b, p)])
+                kept = torch.equal(keys[i, :, p], k0) and torch.equal(values[i, :, p], v0)
+                if mask[i, p] and b > d:
+                    assert not kept, (b, i, p)  # the recurrent pass replaced them
+                else:
+                    assert kept, (b, i, p)
+
+
 # ------------------------------------------------------- fast engine == reference
 CASES = [
     dict(source=3, destination=1, alpha=0.3),
@@ -146,6 +192,49 @@ def test_engine_equals_slow_reference(tiny_model, tiny_engine, case, block_size,
         ref = reference_recirculation(tiny_model, rows[i], rec, mask=m, block_size=block_size)
         assert torch.allclose(out.sequence_log_probs(i), ref, atol=ATOL), (i, case)
         assert torch.isnan(out.log_probs[i, n - 1 :]).all()  # padding is NaN, never a number
+
+
+@pytest.mark.parametrize("block_size", [1, 4, [2, 5, 3, 2]])
+def test_engine_equals_reference_with_one_mask_for_every_row(tiny_model, tiny_engine,
+                                                              block_size):
+    """A ``[seq]`` mask shared by ragged rows, incl. the issue-8 case (mask {1}, K = 4:
+    positions 2, 3 follow an active position inside its chunk), and explicit chunk sizes."""
+    rec = Recirculation(4, 1, alpha=0.5)
+    ids = random_ids(3, 12, seed=13)
+    rows = [ids[0].tolist(), ids[1, :7].tolist(), ids[2, :10].tolist()]
+    for active in ([1], [1, 6, 7], [0, 2, 3, 9]):
+        mask = torch.zeros(12, dtype=torch.bool)
+        mask[active] = True
+        out = tiny_engine.run(rows, rec, mask=mask, block_size=block_size)
+        for i, r in enumerate(rows):
+            ref = reference_recirculation(tiny_model, r, rec, mask=mask[: len(r)].tolist(),
+                                          block_size=block_size)
+            assert torch.allclose(out.sequence_log_probs(i), ref, atol=ATOL), (active, i)
+
+
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_zero_norm_source_mixes_nothing_in(tiny_model, tiny_engine, iterations):
+    """SEMANTICS.md: f(z_s) = 0 where ||z_s|| = 0 (ratio norm). A hook zeroes block s's
+    output wherever its first coordinate is <= 0, in the engine and the reference alike;
+    the model stays non-trivial because other positions keep theirs."""
+    s, d = 3, 1
+    zeroed = []
+
+    def zero_some(act, hook=None):
+        keep = act[..., :1] > 0
+        zeroed.append(int((~keep).sum()))
+        return act * keep
+
+    hooks = [(f"blocks.{s}.hook_resid_post", zero_some)]
+    rec = Recirculation(s, d, alpha=0.5, iterations=iterations)
+    ids = random_ids(1, 12, seed=14)
+    out = tiny_engine.run(ids, rec, block_size=3, fwd_hooks=hooks).log_probs[0]
+    assert sum(zeroed) > 0 and torch.isfinite(out).all()
+    with tiny_engine.hooks(hooks):
+        ref = reference_recirculation(tiny_model, ids[0].tolist(), rec, block_size=3)
+    assert torch.allclose(out, ref, atol=ATOL)
+    plain = reference_recirculation(tiny_model, ids[0].tolist(), rec, block_size=3)
+    assert (out - plain).abs().max() > 1e-2  # the hook did change the model
 
 
 def test_ragged_batch_equals_each_sequence_alone(tiny_engine):

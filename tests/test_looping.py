@@ -50,15 +50,15 @@ def test_duplicated_blocks_need_their_own_keys_and_values(tiny_engine, fresh_tin
     seq = ragged_ids(1)[0]
     loop = Looping(1, 3)
     want = reference_looping(fresh_tiny, seq, loop)
-    backend, L, T = tiny_engine.backend, tiny_engine.n_blocks, len(seq)
+    engine, L, T = tiny_engine, tiny_engine.n_blocks, len(seq)
     ids = torch.tensor([seq])
-    pos = backend.prepare_positions(torch.arange(T))
+    pos = torch.arange(T)
     shared = KVCache(L, 2 * T)
     with torch.no_grad():
-        x, _ = backend.run_blocks(0, 4, backend.embed(ids), pos, shared)
-        x, _ = backend.run_blocks(2, 4, x, pos, shared)  # appends after the first copy's
-        x, _ = backend.run_blocks(4, L, x, pos, shared)
-        lp = torch.log_softmax(backend.unembed(x)[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+        x, _ = engine.run_blocks(0, 4, engine.embed(ids), pos, shared)
+        x, _ = engine.run_blocks(2, 4, x, pos, shared)  # appends after the first copy's
+        x, _ = engine.run_blocks(4, L, x, pos, shared)
+        lp = torch.log_softmax(engine.unembed(x)[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
     assert (lp - want).abs().max() > 1e-3
     assert (loop.run(tiny_engine, [seq]).sequence_log_probs(0) - want).abs().max() <= 1e-5
 

@@ -1,4 +1,5 @@
-"""Layer sweeps (probekit/analysis/sweep.py): batched cells, pair lists, resuming, summaries."""
+"""Layer sweeps (probekit/analysis/sweep.py, pairs.py, mechanisms/rowwise.py, commands/sweep.py):
+batched cells, pair lists, resuming, summaries, the command."""
 
 import os
 
@@ -11,9 +12,11 @@ import pytest
 import torch
 
 from probekit.analysis import sweep
+from probekit.analysis.pairs import make_pairs
 from probekit.analysis.perplexity import pct_change
-from probekit.analysis.sweep import Cell, RowwiseRecirculation, make_cells, make_pairs, plan_groups
+from probekit.analysis.sweep import Cell, make_cells, plan_groups
 from probekit.mechanisms.looping import Looping
+from probekit.mechanisms.rowwise import RowwiseRecirculation
 from probekit.runs import RunDir
 
 torch.set_num_threads(1)
@@ -52,22 +55,34 @@ def test_rowwise_validation():
 
 
 def test_make_pairs():
-    assert len(make_pairs("all", 6)) == 15
-    assert make_pairs("max-gap 1", 4) == [(1, 0), (2, 1), (3, 2)]
-    gap = make_pairs("max-gap:3", 30, destinations=range(2, 15, 4))
+    assert len(make_pairs(6, "all")) == 15
+    assert make_pairs(4, "max-gap", max_gap=1) == [(1, 0), (2, 1), (3, 2)]
+    gap = make_pairs(30, "max-gap", max_gap=3, destinations=range(2, 15, 4))
     assert {d for _, d in gap} == {2, 6, 10, 14} and all(1 <= s - d <= 3 for s, d in gap)
-    assert make_pairs("11-4,5-4", 30) == [(5, 4), (11, 4)]  # sorted by destination, source
-    assert make_pairs("all", 6, sources=range(5, 6)) == [(5, d) for d in range(5)]
-    coarse = make_pairs("max-gap 12", 30, step=3)  # the CLI default grid
+    # sorted by destination, source
+    assert make_pairs(30, "list", listed=[(11, 4), (5, 4)]) == [(5, 4), (11, 4)]
+    assert make_pairs(6, "all", sources=range(5, 6)) == [(5, d) for d in range(5)]
+    coarse = make_pairs(30, "max-gap", step=3)  # the CLI default grid (model-relative)
     assert len(coarse) == 30 and (4, 1) in coarse and (28, 25) in coarse
     assert all(d % 3 == 1 and (s - d) % 3 == 0 and s - d <= 12 for s, d in coarse)
-    assert make_pairs("11-4,12-4", 30, step=3) == [(11, 4), (12, 4)]  # explicit: no grid
+    # explicit: no grid
+    assert make_pairs(30, "list", listed=[(11, 4), (12, 4)], step=3) == [(11, 4), (12, 4)]
     with pytest.raises(ValueError, match="pair 4-11: need 0 <= destination < source"):
-        make_pairs("4-11", 30)
-    with pytest.raises(ValueError, match="expected all, max-gap N, or a list"):
-        make_pairs("some", 30)
+        make_pairs(30, "list", listed=[(4, 11)])
+    with pytest.raises(ValueError, match="expected one of all, max-gap, list"):
+        make_pairs(30, "some")
     with pytest.raises(ValueError, match="selects no pair"):
-        make_pairs("max-gap:2", 30, destinations=range(40, 41))
+        make_pairs(30, "max-gap", max_gap=2, destinations=range(40, 41))
+
+
+def test_default_grid_is_model_relative():
+    """The default grid (step ~L/10, max gap 4 steps) is SmolLM2's long-standing 30-pair grid
+    on 30 blocks and every near-diagonal pair on a 4-block tiny model."""
+    from probekit.analysis.pairs import default_max_gap, default_step
+
+    assert (default_step(30), default_max_gap(30)) == (3, 12)
+    assert (default_step(4), default_max_gap(4)) == (1, 4)
+    assert make_pairs(4, "max-gap", step=default_step(4)) == make_pairs(4, "all")
 
 
 def test_plan_groups_packs_units_in_a_fixed_order():
@@ -89,7 +104,7 @@ def test_sweep_resumes_to_the_same_numbers(tiny_engine, tmp_path):
     """A sweep killed midway and restarted ends identical to an uninterrupted one, and
     the restart does not redo finished groups."""
     windows = random_ids(3, 12, seed=4)
-    cells = make_cells(make_pairs("max-gap:2", tiny_engine.n_blocks), [0.2, 0.4],
+    cells = make_cells(make_pairs(tiny_engine.n_blocks, "max-gap", max_gap=2), [0.2, 0.4],
                        ["convex", "none"])
     loops = [(3, 1), (4, 2)]
     kw = dict(looping_pairs=loops, batch_size=2, rows=6)
@@ -98,16 +113,15 @@ def test_sweep_resumes_to_the_same_numbers(tiny_engine, tmp_path):
 
     full = sweep.run_sweep(tiny_engine, windows, cells, RunDir(tmp_path / "full"), **kw)
 
-    def stop_after_two(gi):
-        if gi == 1:
+    def stop_after_two(gi):  # killed while computing the third group
+        if gi == 2:
             raise Interrupt
 
     part = RunDir(tmp_path / "part")
     with pytest.raises(Interrupt):
-        sweep.run_sweep(tiny_engine, windows, cells, part, on_group_done=stop_after_two, **kw)
+        sweep.run_sweep(tiny_engine, windows, cells, part, on_group=stop_after_two, **kw)
     redone = []
-    resumed = sweep.run_sweep(tiny_engine, windows, cells, part, on_group_done=redone.append,
-                              **kw)
+    resumed = sweep.run_sweep(tiny_engine, windows, cells, part, on_group=redone.append, **kw)
     assert redone == list(range(2, n_groups))
     assert resumed.keys() == full.keys()
     for key in full:
@@ -152,9 +166,9 @@ def test_cli_sweep_end_to_end(tmp_path, capsys):
     run_dir = tmp_path / "sweep"
     text = tmp_path / "text.txt"  # a small file: tokenising the wiki corpus takes seconds
     text.write_text(TEXT)
-    argv = ["sweep", "--model", "tiny", "--text-file", str(text), "--pairs", "2-0,3-1",
-            "--alphas", "0.1,0.3",
-            "--norms", "convex,beta1", "--looping", "--windows", "2", "--window-tokens", "12",
+    argv = ["sweep", "--model", "tiny", "--text-file", str(text), "--pairs", "list",
+            "--pair-list", "2-0", "3-1", "--alphas", "0.1", "0.3",
+            "--norms", "convex", "beta1", "--looping", "--windows", "2", "--window-tokens", "12",
             "--run-dir", str(run_dir), "--no-progress"]
     assert main(argv) == 0
     s = json.loads((run_dir / "summary.json").read_text())
@@ -166,19 +180,61 @@ def test_cli_sweep_end_to_end(tmp_path, capsys):
     assert f"{s['best']['percent_change']:+.3f}%" in out
 
 
+def test_cli_sweep_on_tiny_with_default_layers(tmp_path, capsys):
+    """No pair or layer flag: the model-relative default grid runs on the 4-block tiny model
+    (every pair with s - d <= 4, i.e. all six), and the summary says which pairs it took."""
+    from probekit.analysis.pairs import make_pairs
+    from probekit.commands.main import main
+
+    run_dir = tmp_path / "sweep"
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    argv = ["sweep", "--model", "tiny", "--text-file", str(text), "--windows", "1",
+            "--window-tokens", "8", "--run-dir", str(run_dir), "--no-progress"]
+    assert main(argv) == 0
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert [tuple(p) for p in s["config"]["pairs"]] == make_pairs(4, "all")
+    assert len(s["percent_change"]) == 6 and s["config"]["schemes"] == ["convex"]
+    assert "6 cells (6 pairs x 1 alphas x 1 schemes)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flags,message", [
-    (["--norms", "convex,ratio"],
-     "probekit sweep: error: --norms: unknown scheme 'ratio'; choose from convex,beta1,none"),
-    (["--alphas", "0.1,x"],
-     "probekit sweep: error: --alphas '0.1,x': expected comma-separated numbers, "
-     "e.g. 0.04,0.07,0.1"),
-    (["--pairs", "max-gap"],
-     "probekit sweep: error: --pairs 'max-gap': expected all, max-gap N, or a list like "
-     "11-4,12-4 (source-destination)"),
+    (["--norms", "convex", "ratio"],
+     "probekit sweep: error: --norms: 'ratio' is not one of convex, beta1, none"),
+    (["--alphas", "0.1", "x"], "probekit sweep: error: --alphas"),
+    (["--alphas", "0.1", "1.5"],
+     "probekit sweep: error: --alphas: alpha must lie in [0, 1]; got 1.5"),
+    (["--alphas", "0.1", "0.1"], "probekit sweep: error: --alphas lists 0.1 twice"),
+    (["--pairs", "some"],
+     "probekit sweep: error: --pairs: 'some' is not one of all, max-gap, list"),
+    (["--pairs", "list"],
+     "probekit sweep: error: --pairs list needs --pair-list, e.g. --pair-list 11-4 12-4"),
+    (["--pair-list", "3-1"],
+     "probekit sweep: error: --pair-list needs --pairs list (got --pairs max-gap)"),
+    (["--pairs", "list", "--pair-list", "1-3"],
+     "probekit sweep: error: --pair-list 1-3: need destination < source "
+     "(write source-destination)"),
+    (["--pairs", "list", "--pair-list", "3:1"],
+     "probekit sweep: error: --pair-list '3:1': expected source-destination, e.g. 11-4"),
+    (["--pairs", "all", "--max-gap", "2"],
+     "probekit sweep: error: --max-gap applies to --pairs max-gap (got --pairs all)"),
+    (["--step", "0"], "probekit sweep: error: --step must be >= 1 (1 = every pair); got 0"),
+    (["--destinations", "2-5"],
+     "probekit sweep: error: --destinations '2-5': expected a:b or a:b:step (b exclusive), "
+     "e.g. 2:15:4"),
+    (["--rows", "0"], "probekit sweep: error: --rows must be >= 1; got 0"),
+    # Checked against the model's depth, still before the run folder exists.
+    (["--pairs", "list", "--pair-list", "9-1"],
+     "probekit sweep: error: pair 9-1: need 0 <= destination < source <= 3 "
+     "(write source-destination)"),
+    (["--destinations", "7:9"],
+     "probekit sweep: error: --pairs max-gap with --step 1 and the --destinations/--sources "
+     "filters selects no pair on a model of 4 blocks"),
 ])
 def test_cli_sweep_bad_input(tmp_path, capsys, flags, message):
     from probekit.commands.main import main
 
     assert main(["sweep", "--model", "tiny", "--run-dir", str(tmp_path / "x"), *flags]) == 2
-    assert capsys.readouterr().err.strip() == message
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(message) and len(err.splitlines()) == 1, err
     assert not (tmp_path / "x").exists()

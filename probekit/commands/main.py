@@ -7,9 +7,11 @@ their command is asked for, so ``probekit --help`` answers without loading torch
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
+import warnings
 
 #: command words -> module in probekit.commands
 COMMANDS = {
@@ -51,6 +53,22 @@ def find_command(argv: list[str]) -> tuple[str, str, list[str]]:
     raise UsageError(f"unknown command {got!r}; choose one of: {', '.join(SUMMARY)}")
 
 
+@contextlib.contextmanager
+def one_line_warnings():
+    """Show warnings (a damaged part being recomputed, a run waiting for a lock) as one
+    clean line each, without file names and source lines."""
+    saved = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"probekit: warning: {message}", file=sys.stderr)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = saved
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -63,10 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from probekit.commands.common import parse
 
-        name, module_name, rest = find_command(argv)
-        module = importlib.import_module(f"probekit.commands.{module_name}")
-        config = parse(module.Config, rest, prog=f"probekit {name}")
-        return module.run(config) or 0
+        with one_line_warnings():
+            name, module_name, rest = find_command(argv)
+            module = importlib.import_module(f"probekit.commands.{module_name}")
+            config = parse(module.Config, rest, prog=f"probekit {name}")
+            return module.run(config) or 0
     except KeyboardInterrupt:
         print(f"\nprobekit {name}: interrupted; rerun the same command to resume",
               file=sys.stderr)

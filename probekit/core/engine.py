@@ -8,11 +8,16 @@ the exact token-by-token method; the default)::
     │ x = embed(tokens)                     │  recurrence.form_input  (latent feedback)
     │ pass 0: blocks 0 .. L-1  ──> logits    │  READOUT: log-probs come from pass 0 only
     │         (appends K/V at c0..c1-1)      │
-    │ recurrence.after_first_pass(...)       │  may call rerun(start, resid):
+    │ recurrence.after_first_pass(...)       │  may call rerun(start, resid, replace=):
     │   rerun: truncate blocks start..L-1    │    keys/values of c0..c1-1 in those blocks
-    │          back to c0, run them again    │    are REPLACED by the new pass's; blocks
-    │          (pass 1, 2, ...)              │    below `start` keep pass-0 entries
-    └──────────────────────────────────────┘
+    │          back to c0, run them again    │    are REPLACED by the new pass's for the
+    │          (pass 1, 2, ...)              │    (row, position) pairs in `replace`; the
+    └──────────────────────────────────────┘    others keep theirs; blocks below `start`
+                                                keep pass-0 entries
+
+``replace`` is how recirculation keeps first-pass keys/values at the positions that do
+not recirculate when a chunk holds several positions (SEMANTICS.md): the pass runs the
+whole chunk, but those pairs keep their entries and the others attend to them.
 
 The engine owns the cache, positions, batching, padding, dtype and progress; a
 recurrence (:class:`Recurrence`) owns only its maths and is called at fixed points.
@@ -29,7 +34,8 @@ pass (0 = first pass) is running.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -41,23 +47,12 @@ from tqdm.auto import tqdm
 from probekit.core.backends import Backend, Edit, make_backend
 from probekit.core.kv_cache import KVCache
 
+# Re-exported: mechanisms import the strategy interface and the scoring from here.
+from probekit.core.recurrence import Recurrence, Rerun, Step
+from probekit.core.scoring import chunk_bounds, score, score_chunk, target_log_probs
 
-@dataclass
-class Step:
-    """What a recurrence sees of the current chunk.
-
-    Attributes:
-        start: absolute position of the chunk's first token.
-        positions: ``[pos]`` absolute positions of the chunk.
-        active: ``[batch, pos]`` bool, which (row, position) pairs the recurrence acts
-            on (the user's mask and-ed with "is a real token").
-        input_ids: ``[batch, pos]`` the chunk's tokens.
-    """
-
-    start: int
-    positions: Tensor
-    active: Tensor
-    input_ids: Tensor
+__all__ = ["EngineState", "Recurrence", "Rerun", "RunResult", "Step", "StepEngine",
+           "chunk_bounds", "score", "target_log_probs"]
 
 
 @dataclass
@@ -66,37 +61,6 @@ class EngineState:
 
     positions: Tensor | None = None
     pass_index: int = 0  # 0 = first pass (the readout); 1, 2, ... = recurrent passes
-
-
-class Recurrence:
-    """Base class of recurrence strategies; by itself, the plain model.
-
-    The engine calls, in order: ``check`` (before any state), ``begin`` (once per run),
-    then per chunk ``form_input`` and ``after_first_pass``.
-    """
-
-    name = "none"
-    #: blocks whose first-pass output ``after_first_pass`` needs.
-    capture_first: frozenset[int] = frozenset()
-
-    def check(self, n_blocks: int) -> None:
-        """Raise ValueError if this recurrence cannot run on a model of ``n_blocks``."""
-
-    def begin(self, batch_size: int, seq_len: int) -> None:
-        """Reset per-run state."""
-
-    def form_input(self, step: Step, embeds: Tensor) -> Tensor:
-        """The chunk's residual at depth 0 (default: the token embeddings)."""
-        return embeds
-
-    def after_first_pass(
-        self, step: Step, captured: dict[int, Tensor], top: Tensor, rerun: Rerun
-    ) -> None:
-        """Called after the first pass; may re-run upper blocks through ``rerun``."""
-
-
-# rerun(start_block, resid, capture=(), edits=None) -> captured outputs of that pass
-Rerun = Callable[..., dict[int, Tensor]]
 
 
 @dataclass
@@ -122,43 +86,6 @@ class RunResult:
     def sequence_log_probs(self, i: int) -> Tensor:
         """The ``lengths[i] - 1`` valid log-probs of sequence ``i``."""
         return self.log_probs[i, : int(self.lengths[i]) - 1]
-
-
-def target_log_probs(logits: Tensor, targets: Tensor, valid: Tensor, temperature: float = 1.0
-                     ) -> Tensor:
-    """``log_softmax(logits / temperature)`` at ``targets`` (``[batch, pos]``), NaN where not
-    ``valid``."""
-    lp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    got = lp.gather(-1, targets[..., None])[..., 0]
-    return torch.where(valid, got, torch.full_like(got, float("nan")))
-
-
-def score(logits: Tensor, ids: Tensor, lengths: Tensor, temperature: float = 1.0) -> Tensor:
-    """``[batch, seq-1]`` ``log p(x[t+1] | logits at t)`` of whole sequences ``ids``
-    (``logits`` ``[batch, seq, vocab]``), NaN where ``t+1`` is padding."""
-    valid = torch.arange(1, ids.shape[1])[None, :] < lengths[:, None]
-    return target_log_probs(logits[:, :-1], ids[:, 1:], valid, temperature)
-
-
-def chunk_bounds(block_size: int | Sequence[int], start: int, seq: int) -> list[tuple[int, int]]:
-    """``[(c0, c1), ...]`` chunks covering ``start .. seq-1``."""
-    if not 0 <= start < seq:
-        raise ValueError(f"start must lie in [0, {seq}); got {start}")
-    if isinstance(block_size, int):
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1; got {block_size}")
-        sizes = [block_size] * -(-(seq - start) // block_size)
-    else:
-        sizes = list(block_size)
-        if any(k < 1 for k in sizes) or sum(sizes) != seq - start:
-            raise ValueError(
-                f"chunk sizes {sizes} must be >= 1 and sum to seq - start = {seq - start}"
-            )
-    bounds, c0 = [], start
-    for k in sizes:
-        bounds.append((c0, min(seq, c0 + k)))
-        c0 += k
-    return bounds
 
 
 class StepEngine:
@@ -296,7 +223,7 @@ class StepEngine:
         capture = recurrence.capture_first
 
         bar = tqdm(bounds, desc="steps", unit="chunk", disable=not progress, leave=False)
-        with self.backend.hooks(fwd_hooks):
+        with self.backend.hooks(fwd_hooks), self._idle_after():
             for c0, c1 in bar:
                 positions = torch.arange(c0, c1)
                 step = Step(c0, positions, active[:, c0:c1], ids[:, c0:c1])
@@ -314,37 +241,33 @@ class StepEngine:
                 if readout == "last":
                     self._read(self._last_top, ids, lengths, c0, c1, temperature, log_probs,
                                logits_out)
-        self.state = EngineState()
         return RunResult(ids, lengths, log_probs, logits_out, cache if return_cache else None)
 
     def _rerun(self, cache: KVCache, c0: int, pos: Any, keep_top: bool, start: int,
                resid: Tensor, capture: Iterable[int] = (),
-               edits: Mapping[int, Edit] | None = None) -> dict[int, Tensor]:
+               edits: Mapping[int, Edit] | None = None,
+               replace: Tensor | None = None) -> dict[int, Tensor]:
         """Run blocks ``start .. L-1`` again for the chunk starting at ``c0``, replacing
-        (not appending to) the chunk's keys/values in those blocks."""
+        (not appending to) the keys/values of the chunk's pairs in ``replace`` (default
+        all) in those blocks; the other pairs keep the entries they have."""
+        if replace is not None and tuple(replace.shape) != tuple(resid.shape[:2]):
+            raise ValueError(f"replace must be [batch, pos] = {tuple(resid.shape[:2])}; "
+                             f"got {tuple(replace.shape)}")
         cache.truncate(range(start, self.n_blocks), c0)
         self.state.pass_index += 1
-        top, out = self.backend.run_blocks(start, self.n_blocks, resid, pos, cache, capture,
-                                           edits)
+        keep = torch.zeros(resid.shape[:2], dtype=torch.bool) if replace is None else ~replace
+        with cache.keeping(c0, keep):
+            top, out = self.backend.run_blocks(start, self.n_blocks, resid, pos, cache,
+                                               capture, edits)
         if keep_top:
             self._last_top = top
         return out
 
     def _read(self, top, ids, lengths, c0, c1, temperature, log_probs, logits_out) -> None:
         logits = self.backend.unembed(top)
-        self._score(logits, ids, lengths, c0, c1, temperature, log_probs)
+        score_chunk(logits, ids, lengths, c0, c1, temperature, log_probs)
         if logits_out is not None:
             logits_out[:, c0:c1] = logits
-
-    @staticmethod
-    def _score(logits, ids, lengths, c0, c1, temperature, out) -> None:
-        """Write log p(x[t+1] | t) for the chunk's positions t that have a real successor."""
-        t1 = min(c1, ids.shape[1] - 1)
-        if t1 <= c0:
-            return
-        valid = torch.arange(c0 + 1, t1 + 1)[None, :] < lengths[:, None]
-        out[:, c0:t1] = target_log_probs(logits[:, : t1 - c0], ids[:, c0 + 1 : t1 + 1], valid,
-                                         temperature)
 
     # ------------------------------------------------------- public operations
     # What analyses and mechanisms need below the level of a whole run; nothing outside
@@ -377,10 +300,16 @@ class StepEngine:
         """Run blocks ``start .. stop-1`` on ``resid`` ``[batch, pos, d_model]`` at absolute
         ``positions``, appending keys/values to ``cache``; hooks see ``pass_index``.
         Returns the last output and the outputs of blocks in ``capture``."""
-        self.state.positions, self.state.pass_index = positions, pass_index
-        try:
+        with self._idle_after():
+            self.state.positions, self.state.pass_index = positions, pass_index
             pos = self.backend.prepare_positions(positions)
             return self.backend.run_blocks(start, stop, resid, pos, cache, capture, edits)
+
+    @contextmanager
+    def _idle_after(self) -> Iterator[None]:
+        """Reset :attr:`state` when the block ends, also on an error inside a hook."""
+        try:
+            yield
         finally:
             self.state = EngineState()
 

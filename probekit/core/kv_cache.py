@@ -7,14 +7,24 @@ over long windows that copy dominates. This cache allocates each block's
 
 It speaks the one method the attention modules call (``update``, the
 ``transformers.Cache`` protocol that TransformerLens' bridge and HF's Llama
-attention both use) plus the one operation recurrences need: ``truncate`` a range
-of blocks back to a length, so that a second pass over a position *replaces* that
-position's keys/values instead of appending next to them (SEMANTICS.md,
-Recirculation step 3).
+attention both use) plus the two operations recurrences need:
+
+- ``truncate`` a range of blocks back to a length, so that a second pass over a
+  position *replaces* that position's keys/values instead of appending next to them
+  (SEMANTICS.md, Recirculation step 3);
+- ``keeping(start, keep)``: while a pass re-runs a chunk of positions, the
+  ``(row, position)`` pairs marked in ``keep`` hold on to the entries they already
+  have, and the pass's other positions attend to those. This is how positions that do
+  not recirculate keep their first-pass keys/values in a chunk of ``K > 1`` positions
+  (SEMANTICS.md: "Positions that do not recirculate keep first-pass KV everywhere").
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
 from torch import Tensor
 
 
@@ -34,6 +44,7 @@ class KVCache:
         self.keys: list[Tensor | None] = [None] * n_blocks
         self.values: list[Tensor | None] = [None] * n_blocks
         self.lengths = [0] * n_blocks
+        self._keep: tuple[int, Tensor] | None = None
 
     def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs):
         """Append ``key``/``value`` ``[batch, kv_heads, q, head_dim]`` at the block's fill
@@ -48,10 +59,39 @@ class KVCache:
             raise RuntimeError(
                 f"KV cache overflow in block {layer_idx}: {stop} > max_len {self.max_len}"
             )
+        if self._keep is not None:
+            key, value = self._kept(layer_idx, start, key, value)
         self.keys[layer_idx][:, :, start:stop] = key
         self.values[layer_idx][:, :, start:stop] = value
         self.lengths[layer_idx] = stop
         return self.keys[layer_idx][:, :, :stop], self.values[layer_idx][:, :, :stop]
+
+    @contextmanager
+    def keeping(self, start: int, keep: Tensor) -> Iterator[None]:
+        """While open, writes at positions ``start ..`` leave the entries of the pairs where
+        ``keep`` (``[batch, pos]`` bool, its column ``j`` is position ``start + j``) is True
+        as they are, and ``update`` hands those kept entries to the attention.
+
+        Meant for a pass that re-runs a chunk after :meth:`truncate` to its start: the
+        buffers past the fill length still hold the chunk's previous entries (truncate only
+        moves the length), and those are what the kept pairs keep."""
+        self._keep = (start, keep) if bool(keep.any()) else None
+        try:
+            yield
+        finally:
+            self._keep = None
+
+    def _kept(self, layer: int, start: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        k0, keep = self._keep
+        if start != k0 or key.shape[2] != keep.shape[1] or key.shape[0] != keep.shape[0]:
+            raise RuntimeError(
+                f"block {layer}: a write of {key.shape[2]} positions at {start} does not match "
+                f"the kept chunk of {keep.shape[1]} positions at {k0}"
+            )
+        m = keep.to(key.device)[:, None, :, None]
+        span = slice(start, start + key.shape[2])
+        return (torch.where(m, self.keys[layer][:, :, span], key),
+                torch.where(m, self.values[layer][:, :, span], value))
 
     def truncate(self, blocks: range, length: int) -> None:
         """Forget positions ``>= length`` in ``blocks`` (their next ``update`` overwrites)."""

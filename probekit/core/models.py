@@ -26,6 +26,10 @@ Accepted names
   heads) with a byte-level tokenizer (256 byte tokens + ``<|endoftext|>``; token id ==
   byte value), seeded by ``seed``. Nothing is downloaded; only the tokenizer (a few
   KB) is cached, because the TransformerLens bridge re-reads tokenizers from a folder.
+  ``tokenizer=`` gives a tiny model another tokenizer (its vocabulary sizes the
+  embedding): ``probekit run state-tracking`` passes the synthetic tasks' word-level
+  one, whose label words are single tokens as the tasks require. The byte-level default
+  stays, so every other command's tiny numbers are unchanged.
 
 The cache
 ---------
@@ -36,6 +40,7 @@ Root: ``$PROBEKIT_CACHE_DIR`` if set, else ``platformdirs.user_cache_dir("probek
         config.json  generation_config.json  model.safetensors (fp32, ~517 MB)
         tokenizer.json  tokenizer_config.json  chat_template.jinja
     <root>/tokenizers/byte-level-<sha12>/  the tiny models' tokenizer (sha of its json)
+    <root>/tokenizers/given-<sha12>/       a tokenizer given to a tiny model (tokenizer=)
 
 A cache folder is written into a hidden temporary sibling and renamed into place, so
 an interrupted first load leaves no half-written cache (a stray ``.tmp-*`` sibling at
@@ -64,7 +69,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from probekit.paths import cache_dir
 
-__all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelNotFoundError", "cache_dir", "load_model"]
+__all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelNotFoundError", "cache_dir", "is_tiny",
+           "load_model"]
 
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -107,15 +113,25 @@ class LoadedModel:
     source: str
 
 
+def is_tiny(name: str) -> bool:
+    """Whether ``name`` is a tiny random model (``"tiny"``, ``"tiny-<n_blocks>"``)."""
+    return _TINY.fullmatch(name.strip().lower()) is not None
+
+
 def load_model(
-    name: str = DEFAULT_MODEL, *, seed: int = 0, dtype: torch.dtype = torch.float32
+    name: str = DEFAULT_MODEL, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+    tokenizer: transformers.PreTrainedTokenizerFast | None = None,
 ) -> LoadedModel:
     """Load a model by name (see the module docstring for the accepted forms).
 
-    `seed` only matters for "tiny" models. Raises ModelNotFoundError when the model is
-    not available offline, ValueError for unknown names or non-Llama architectures.
+    `seed` and `tokenizer` only matter for "tiny" models: `tokenizer` (a fast tokenizer
+    with an EOS token) replaces the byte-level one and sizes the vocabulary. Raises
+    ModelNotFoundError when the model is not available offline, ValueError for unknown
+    names, non-Llama architectures, or a `tokenizer` for a model that is not tiny.
     """
     key = name.strip().lower()
+    if tokenizer is not None and not is_tiny(key):
+        raise ValueError(f"tokenizer= only applies to tiny models; {name!r} brings its own")
     if key in (DEFAULT_MODEL, "default"):
         gguf = _smollm2_gguf()
         model, tokenizer = _load_smollm2(gguf, dtype)
@@ -124,8 +140,10 @@ def load_model(
         n_blocks = int(tiny.group(1) or 4)
         if n_blocks < 1:
             raise ValueError(f"{name!r}: a tiny model needs at least 1 block")
-        model, tokenizer = _build_tiny(n_blocks, seed, dtype)
-        return _finish(model, tokenizer, key, f"random:{seed}")
+        given = tokenizer is not None
+        model, tokenizer = _build_tiny(n_blocks, seed, dtype, tokenizer)
+        source = f"random:{seed}" + (f" {Path(tokenizer.name_or_path).name}" if given else "")
+        return _finish(model, tokenizer, key, source)
 
     path = Path(name).expanduser()
     if path.exists():
@@ -238,9 +256,15 @@ def _load_hub(name: str, dtype: torch.dtype):
     return model, tokenizer
 
 
-def _build_tiny(n_blocks: int, seed: int, dtype: torch.dtype):
-    tokenizer = _byte_tokenizer()
-    eot = tokenizer.convert_tokens_to_ids(_EOT)
+def _build_tiny(n_blocks: int, seed: int, dtype: torch.dtype, tokenizer=None):
+    if tokenizer is None:
+        tokenizer = _byte_tokenizer()
+    else:
+        if tokenizer.eos_token_id is None:
+            raise ValueError("a tiny model's tokenizer needs an EOS token (it also pads)")
+        key = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()[:12]
+        tokenizer = _cached_tokenizer(tokenizer, f"given-{key}")
+    eot = tokenizer.eos_token_id  # <|endoftext|> (256) for the byte-level tokenizer
     config = transformers.LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -284,12 +308,18 @@ def _byte_tokenizer() -> transformers.PreTrainedTokenizerBase:
         tokenizer_object=tok, bos_token=_EOT, eos_token=_EOT, pad_token=_EOT
     )
     key = hashlib.sha256(tok.to_str().encode()).hexdigest()[:12]
-    folder = cache_dir() / "tokenizers" / f"byte-level-{key}"
+    return _cached_tokenizer(tokenizer, f"byte-level-{key}")
+
+
+def _cached_tokenizer(tokenizer, name: str):
+    """``tokenizer`` saved once as ``<cache>/tokenizers/<name>`` and read back from there
+    (the TransformerLens bridge re-reads a tokenizer from its ``name_or_path``)."""
+    folder = cache_dir() / "tokenizers" / name
     if not (folder / "tokenizer.json").is_file():
         try:
             _write_cache(folder, tokenizer)
         except OSError as e:
-            warnings.warn(f"could not cache the tiny tokenizer at {folder}: {e}", stacklevel=4)
+            warnings.warn(f"could not cache the tiny tokenizer at {folder}: {e}", stacklevel=5)
             return tokenizer
     return AutoTokenizer.from_pretrained(folder)
 

@@ -94,10 +94,10 @@ def _check(engine: StepEngine, prompt_ids, gate, regime, max_new_tokens, tempera
             f"{sorted({len(r) for r in rows})} (generate them one at a time)"
         )
     ids, _ = engine.batch(rows)
-    if ids.shape[1] + max_new_tokens > engine.backend.n_ctx:
+    if ids.shape[1] + max_new_tokens > engine.n_ctx:
         raise ValueError(
             f"prompt of {ids.shape[1]} tokens + max_new_tokens={max_new_tokens} exceeds the "
-            f"model's context of {engine.backend.n_ctx}"
+            f"model's context of {engine.n_ctx}"
         )
     return ids
 

@@ -19,8 +19,9 @@ keys/values of earlier positions, not to the first application's. The engine's
 :class:`~probekit.core.kv_cache.KVCache` is indexed by block, so the copy writes into a
 second cache (one per copy) while blocks ``0 .. l2`` and ``l2+1 .. L-1`` use the first.
 
-Hooks: TransformerLens hook names fire for both applications of a block; inside a hook
-``engine.state.pass_index`` is 1 during the copy and 0 elsewhere.
+Hooks: TransformerLens hook names fire for both applications of a block; the copy runs
+as pass 1 (``pass_index=1`` of :meth:`~probekit.core.engine.StepEngine.run_blocks`, what
+the engine's hooks see), everything else as pass 0.
 
 :func:`reference_looping` is the slow check: Hugging Face's own forward of the model
 whose layer list is literally ``[0 .. l2, l1+1 .. l2, l2+1 .. L-1]``, one sequence at
@@ -88,21 +89,16 @@ class Looping:
             raise ValueError(f"temperature must be > 0; got {temperature}")
         self.check(engine.n_blocks)
         ids, lengths = engine.batch(input_ids)
-        backend, L = engine.backend, engine.n_blocks
-        seq = ids.shape[1]
+        L, seq = engine.n_blocks, ids.shape[1]
         positions = torch.arange(seq)
-        pos = backend.prepare_positions(positions)
         first, second = KVCache(L, seq), KVCache(L, seq)
-        with backend.hooks(fwd_hooks):
-            engine.state.positions, engine.state.pass_index = positions, 0
-            x = backend.embed(ids)
-            x, _ = backend.run_blocks(0, self.l2 + 1, x, pos, first)
-            engine.state.pass_index = 1
-            x, _ = backend.run_blocks(self.l1 + 1, self.l2 + 1, x, pos, second)
-            engine.state.pass_index = 0
-            x, _ = backend.run_blocks(self.l2 + 1, L, x, pos, first)
-            logits = backend.unembed(x)
-        engine.state.positions, engine.state.pass_index = None, 0
+        with engine.hooks(fwd_hooks):
+            x = engine.embed(ids)
+            x, _ = engine.run_blocks(0, self.l2 + 1, x, positions, first)
+            x, _ = engine.run_blocks(self.l1 + 1, self.l2 + 1, x, positions, second,
+                                     pass_index=1)
+            x, _ = engine.run_blocks(self.l2 + 1, L, x, positions, first)
+            logits = engine.unembed(x)
         return RunResult(ids, lengths, score(logits, ids, lengths, temperature))
 
 

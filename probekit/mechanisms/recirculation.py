@@ -10,7 +10,7 @@ App. B.3 (normalisation, ramp) and Sec. 5.2 (several paths, blockwise) exactly a
    ``alpha_t = min(t / ramp, 1) * alpha``; ``beta_t = 1 - alpha_t`` unless ``beta`` is
    given explicitly, in which case it stays fixed;
 3. second pass through blocks ``d+1 .. L-1`` from ``z'_d``, replacing position ``t``'s
-   keys/values there (the engine's ``rerun``).
+   keys/values there (the engine's ``rerun``, with ``replace`` = the active positions).
 
 Choices where the paper is silent (stated here and in SEMANTICS.md's spirit):
 
@@ -22,8 +22,11 @@ Choices where the paper is silent (stated here and in SEMANTICS.md's spirit):
   the destination state of pass ``j`` (the lowest destination, which no pass above it
   recomputes, carries the previous iteration's mixed state). The last pass's keys and
   values are kept.
-- Rows/positions outside the mask are left exactly as the first pass made them
-  (``z'_d = z_d``), so their recomputed keys/values equal the first pass's.
+- Rows/positions outside the mask keep their first-pass keys/values in every block
+  (SEMANTICS.md). In a chunk of ``K > 1`` positions the recurrent pass still runs the
+  whole chunk, so the engine's ``rerun(..., replace=active)`` keeps those pairs' entries,
+  and the chunk's recirculating positions attend to them; only their residual
+  (``z'_d = z_d``) flows through the pass, and nothing reads it.
 """
 
 from __future__ import annotations
@@ -195,5 +198,6 @@ class Recirculation(Recurrence):
         for _ in range(self.iterations):
             mixed = self._mixer(lowest, previous[lowest.source], step)(dest_state)
             edits = {p.destination: self._mixer(p, previous[p.source], step) for p in higher}
-            previous = rerun(lowest.destination + 1, mixed, capture=sources, edits=edits)
+            previous = rerun(lowest.destination + 1, mixed, capture=sources, edits=edits,
+                             replace=step.active)
             dest_state = mixed

@@ -1,0 +1,1 @@
+"""Figures: one module per analysis (matplotlib, Agg backend)."""
