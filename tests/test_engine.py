@@ -262,7 +262,7 @@ def test_continuing_from_a_baseline_cache_equals_a_full_run(tiny_engine):
     base = tiny_engine.forward(ids, return_cache=True)
     rec = Recirculation(3, 1, alpha=0.6)
     for t in (0, 5, 9):
-        onehot = torch.zeros(14, dtype=torch.bool)
+        onehot = torch.zeros(t + 5, dtype=torch.bool)
         onehot[t] = True
         fast = tiny_engine.run(ids[:, : t + 5], rec, mask=onehot, start=t,
                                cache=base.cache.copy(length=t), block_size=[1, 4])

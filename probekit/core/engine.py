@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -112,6 +113,10 @@ class StepEngine:
     def batch(self, input_ids: Tensor | Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
         """Validate and right-pad ``input_ids`` -> (``[batch, seq]`` ids, ``[batch]`` lengths)."""
         if isinstance(input_ids, Tensor):
+            if input_ids.dtype == torch.bool or input_ids.is_floating_point() \
+                    or input_ids.is_complex():
+                raise ValueError(f"input_ids must be integer token ids; got "
+                                 f"{str(input_ids.dtype).removeprefix('torch.')}")
             if input_ids.ndim == 1:
                 input_ids = input_ids[None]
             if input_ids.ndim != 2:
@@ -121,6 +126,9 @@ class StepEngine:
             rows = [r for r in input_ids.tolist()]
         else:
             rows = [list(r) for r in input_ids]
+            for t in (t for r in rows for t in r):
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                    raise ValueError(f"input_ids must be integer token ids; got {t!r}")
         if not rows or any(len(r) == 0 for r in rows):
             raise ValueError("empty input: every sequence needs at least one token")
         longest = max(len(r) for r in rows)
@@ -147,15 +155,24 @@ class StepEngine:
         real = torch.arange(seq)[None, :] < lengths[:, None]
         if active is None:
             return real
-        active = torch.as_tensor(active, dtype=torch.bool)
+        active = torch.as_tensor(active)
+        if active.dtype != torch.bool:
+            bad = (active.is_floating_point() or active.is_complex()
+                   or bool(((active != 0) & (active != 1)).any()))
+            if bad:
+                shown = (str(active.dtype).removeprefix("torch.")
+                         if active.is_floating_point() or active.is_complex()
+                         else active[(active != 0) & (active != 1)][0].item())
+                raise ValueError(f"mask must be boolean (or 0/1 integers); got {shown}")
+            active = active.bool()
         if active.ndim == 1:
             active = active[None].expand(batch, -1)
-        if active.shape[0] != batch or active.shape[1] < seq:
+        if active.ndim != 2 or active.shape[0] != batch or active.shape[1] != seq:
             raise ValueError(
-                f"mask must be [seq] or [batch, seq] covering {batch} x {seq}; "
+                f"mask must be [seq] or [batch, seq] = {batch} x {seq}; "
                 f"got {tuple(active.shape)}"
             )
-        return active[:, :seq] & real
+        return active & real
 
     # --------------------------------------------------------------------- run
     @torch.no_grad()

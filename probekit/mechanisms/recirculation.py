@@ -31,6 +31,7 @@ Choices where the paper is silent (stated here and in SEMANTICS.md's spirit):
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,6 +41,11 @@ from torch import Tensor
 from probekit.core.engine import Recurrence, Rerun, Step
 
 NORMS = ("ratio", "none")
+
+
+def _unit_number(v) -> bool:
+    """A real number (not a bool or a string) in [0, 1]; NaN is not."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and 0.0 <= float(v) <= 1.0
 
 
 def default_pair(n_blocks: int) -> tuple[int, int]:
@@ -87,10 +93,11 @@ class RecirculationPath:
                 f"source ({self.source}) must be a deeper block than destination "
                 f"({self.destination}): need 0 <= destination < source"
             )
-        if not 0.0 <= float(self.alpha) <= 1.0:
-            raise ValueError(f"alpha must lie in [0, 1]; got {self.alpha}")
-        if self.beta is not None and not 0.0 <= float(self.beta) <= 1.0:
-            raise ValueError(f"beta must lie in [0, 1] (or None for 1 - alpha); got {self.beta}")
+        if not _unit_number(self.alpha):
+            raise ValueError(f"alpha must lie in [0, 1]; got {self.alpha!r}")
+        if self.beta is not None and not _unit_number(self.beta):
+            raise ValueError(f"beta must lie in [0, 1] (or None for 1 - alpha); "
+                             f"got {self.beta!r}")
 
 
 def mix(z_s: Tensor, z_d: Tensor, alpha: Tensor, beta: Tensor, norm: str) -> Tensor:
@@ -143,9 +150,9 @@ class Recirculation(Recurrence):
             raise ValueError(f"paths must have distinct destinations; got {dests}")
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}; got {norm!r}")
-        if not isinstance(ramp, int) or ramp < 0:
+        if not isinstance(ramp, int) or isinstance(ramp, bool) or ramp < 0:
             raise ValueError(f"ramp must be an integer >= 0 (0 = no ramp); got {ramp!r}")
-        if not isinstance(iterations, int) or iterations < 1:
+        if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 1:
             raise ValueError(f"iterations must be an integer >= 1; got {iterations!r}")
         self.paths = tuple(paths)
         self.norm = norm
