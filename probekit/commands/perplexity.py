@@ -22,7 +22,7 @@ from probekit.commands.common import (
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Baseline vs recirculated perplexity on a corpus, per window and overall, with a
-    bootstrap interval over windows. Guide: docs/commands.md#perplexity."""
+    bootstrap interval over windows. Guide: docs/commands/perplexity.md."""
 
     model: Annotated[ModelFlags, FLAT] = ModelFlags()
     recirculation: Annotated[RecirculationFlags, FLAT] = RecirculationFlags()
