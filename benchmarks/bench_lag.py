@@ -32,8 +32,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from probekit import Recirculation, StepEngine, load_model
-from probekit.data.corpora import load_corpus, make_windows
 from probekit.analysis.lag import single_token_benefit
+from probekit.data.corpora import load_corpus, make_windows
 
 
 def main() -> None:

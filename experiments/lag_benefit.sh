@@ -17,7 +17,7 @@ PROBEKIT=${PROBEKIT:-probekit}
 RUN=runs/lag-smollm2-s16-d10
 
 "$PROBEKIT" lag-analysis --source 16 --destination 10 --alpha 0.1 \
-    --window-tokens 256 --max-lag 64 --positions 0:20,20:191:6 \
+    --window-tokens 256 --max-lag 64 --positions 0:20 20:191:6 \
     --corpus wiki --windows 8 --batch-size 8 --threads 1 --run-dir "$RUN"
 cp "$RUN/lag_analysis.png" figures/lag_benefit.png
 cp "$RUN/summary.json" figures/lag_benefit.json

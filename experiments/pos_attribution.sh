@@ -28,6 +28,6 @@ cp "$RUN/summary.json" figures/pos_attribution.json
 # Part 2: recirculate all and only the tokens of one tag vs a count-matched random set,
 # on the first windows of the same run (their Part 1 parts are reused).
 "$PROBEKIT" pos-attribution "${REC[@]}" "${COMMON[@]}" --windows "$SELECTIVE" \
-    --selective ADV,DET,PRON,NOUN.sg,NOUN.pl
+    --selective ADV DET PRON NOUN.sg NOUN.pl
 cp "$RUN/pos_selective.png" figures/pos_selective.png
 cp "$RUN/summary.json" figures/pos_selective.json

@@ -1,4 +1,5 @@
-"""Lag benefit (probekit/analysis/lag.py) against SEMANTICS.md "Lag benefit".
+"""Lag benefit (probekit/analysis/lag.py, lag_summary.py, the lag-analysis command)
+against SEMANTICS.md "Lag benefit".
 
 The fast path must equal the slow definition (a full sequential run with a one-hot
 mask per t) within 1e-5 in float32, and lag 0 must come out exactly zero.
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from probekit.analysis import lag
+from probekit.analysis import lag, lag_summary
 from probekit.mechanisms.recirculation import Recirculation, RecirculationPath
 from probekit.mechanisms.reference import reference_recirculation
 
@@ -113,6 +114,8 @@ def test_parse_positions():
     assert lag.parse_positions(":4", 20, 5) == [0, 1, 2, 3]
     assert lag.parse_positions("10:", 20, 5) == [10, 11, 12, 13]
     assert lag.parse_positions("0:3, 9:14:2,1", 20, 5) == [0, 1, 2, 9, 11, 13]
+    assert lag.parse_positions(["0:3", "9:14:2", "1"], 20, 5) == [0, 1, 2, 9, 11, 13]
+    assert lag.parse_positions((), 20, 5) == list(range(14))
     with pytest.raises(ValueError, match="expected ranges 'a:b' or 'a:b:step'"):
         lag.parse_positions("a:b", 20, 5)
     with pytest.raises(ValueError, match="selects no position"):
@@ -125,7 +128,7 @@ def test_parse_positions():
 def test_power_law_fit_recovers_exact_law_and_leaves_out_non_positive():
     k = np.arange(1, 33, dtype=float)
     v = 0.02 * k**-0.7
-    fit = lag.fit_power_law(k, v)
+    fit = lag_summary.fit_power_law(k, v)
     assert fit.a == pytest.approx(0.02, rel=1e-9)
     assert fit.b == pytest.approx(0.7, rel=1e-9)
     assert fit.r2 == pytest.approx(1.0)
@@ -133,14 +136,14 @@ def test_power_law_fit_recovers_exact_law_and_leaves_out_non_positive():
 
     v2 = v.copy()
     v2[[3, 10, 20]] = [-1e-3, 0.0, -5e-4]  # non-positive means cannot enter a log fit
-    fit2 = lag.fit_power_law(k, v2)
+    fit2 = lag_summary.fit_power_law(k, v2)
     assert (fit2.n_fit, fit2.n_excluded) == (29, 3)
     assert fit2.b == pytest.approx(0.7, rel=1e-9)
 
     noisy = v * np.exp(np.random.default_rng(0).normal(0, 0.3, v.shape))
-    assert 0 < lag.fit_power_law(k, noisy).r2 < 1
+    assert 0 < lag_summary.fit_power_law(k, noisy).r2 < 1
 
-    nan_fit = lag.fit_power_law(k[:3], np.array([1.0, -1.0, -2.0]))
+    nan_fit = lag_summary.fit_power_law(k[:3], np.array([1.0, -1.0, -2.0]))
     assert nan_fit.n_fit == 1 and math.isnan(nan_fit.b)
 
 
@@ -150,7 +153,7 @@ def test_summarize_early_positions_and_heatmap():
     b = np.zeros((2, 20, 4))
     b[:, :10, 1:] = -1.0
     b[:, 10:, 1:] = 2.0
-    s = lag.summarize(b, positions)
+    s = lag_summary.summarize(b, positions)
     assert s["early"]["mean_early"] == -1.0 and s["early"]["mean_late"] == 2.0
     assert s["early"]["n_early"] == 10
     assert np.allclose(s["mean_curve"], [0, 0.5, 0.5, 0.5])
@@ -163,13 +166,13 @@ def test_summarize_early_positions_and_heatmap():
 
 
 def test_sparse_position_grids_are_weighted_like_the_full_range():
-    assert np.array_equal(lag.position_weights([0, 5, 10, 15]), [5, 5, 5, 5])
-    assert np.array_equal(lag.position_weights([0, 1, 2, 6, 10]), [1, 1, 2.5, 4, 4])
+    assert np.array_equal(lag_summary.position_weights([0, 5, 10, 15]), [5, 5, 5, 5])
+    assert np.array_equal(lag_summary.position_weights([0, 1, 2, 6, 10]), [1, 1, 2.5, 4, 4])
     # Benefit 1 at t < 3, 0 after; sampled densely early, sparsely late, over t = 0..10.
     positions = [0, 1, 2, 6, 10]
     b = np.zeros((1, 5, 2))
     b[0, :3, 1] = 1.0
-    s = lag.summarize(b, positions)
+    s = lag_summary.summarize(b, positions)
     assert s["mean_curve"][1] == pytest.approx((1 + 1 + 2.5) / 12.5)  # not unweighted 3 / 5
 
 
@@ -185,7 +188,8 @@ def test_cli_lag_analysis_writes_results_and_resumes(tmp_path, monkeypatch, caps
     argv = ["lag-analysis", "--model", "tiny", "--text-file", str(text), "--source", "3",
             "--destination", "1",
             "--alpha", "0.5", "--windows", "2", "--window-tokens", "20", "--max-lag", "4",
-            "--positions", "0:14:3", "--complement", "--complement-positions", "0:14:6",
+            "--positions", "0:14:3", "--complement",
+            "--complement-positions", "0:6:6", "6:14:6",  # space-separated items
             "--run-dir", str(run_dir), "--no-progress"]
     assert main(argv) == 0
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -219,6 +223,54 @@ def test_cli_lag_analysis_bad_input_is_one_line_exit_2(tmp_path, capsys):
                    "windows and --max-lag 4, recirculated positions must lie in 0..14 "
                    "(t + max_lag + 1 must be a token of the window)")
     assert not (tmp_path / "x").exists()  # nothing written before validation passed
+
+
+def lag_cli(tmp_path, *flags):
+    from probekit.commands.main import main
+
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT * 2)
+    return main(["lag-analysis", "--model", "tiny", "--text-file", str(text), "--windows", "1",
+                 "--no-progress", "--run-dir", str(tmp_path / "run"), *flags])
+
+
+def test_cli_lag_analysis_with_only_early_positions_finishes(tmp_path, capsys):
+    """--window-tokens 40 --max-lag 32 leaves t = 0..6, all early (t < 10): the summary
+    has no late mean, and the command used to crash on it after finishing the work."""
+    assert lag_cli(tmp_path, "--window-tokens", "40", "--max-lag", "32") == 0
+    early = json.loads((tmp_path / "run" / "summary.json").read_text())["single"]["early"]
+    assert early["mean_late"] is None and early["n_late"] == 0 and early["n_early"] == 7
+    out = capsys.readouterr().out
+    assert "t>=10: none sampled" in out
+    assert (tmp_path / "run" / "lag_analysis.png").is_file()
+
+
+def test_cli_lag_analysis_runs_with_model_relative_defaults(tmp_path):
+    """No --source/--destination: the pair comes from the model's depth (default_pair)."""
+    from probekit.core.models import load_model
+    from probekit.mechanisms.recirculation import default_pair
+
+    assert lag_cli(tmp_path, "--window-tokens", "16", "--max-lag", "3",
+                   "--positions", "0:12:4") == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    s, d = default_pair(load_model("tiny").n_blocks)
+    assert f"s={s} d={d} " in summary["config"]["recirculation"]
+    assert summary["single"]["positions"] == [0, 4, 8]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-lag", "0"], "--max-lag must be >= 1; got 0"),
+    (["--window-tokens", "8", "--max-lag", "8"], "windows of 8 tokens leave no room for lag 8"),
+    (["--complement-positions", "0:4"], "--complement-positions needs --complement"),
+    (["--complement", "--complement-positions", "x"],
+     "--complement-positions 'x': expected ranges"),
+])
+def test_cli_lag_analysis_impossible_flags_fail_before_any_state(tmp_path, capsys, flags,
+                                                                 message):
+    assert lag_cli(tmp_path, *flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+    assert not (tmp_path / "run").exists()
 
 
 # ------------------------------------------------------------- default model

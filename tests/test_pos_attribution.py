@@ -1,4 +1,5 @@
-"""Part-of-speech attribution (probekit/analysis/pos_attribution.py) and its tagging context."""
+"""Part-of-speech attribution (probekit/analysis/pos_attribution.py, the pos-attribution
+command) and its tagging context."""
 
 import os
 
@@ -14,22 +15,21 @@ import torch
 from probekit.analysis.pos_attribution import (
     UNIVERSAL_TAGS,
     WindowTags,
-    bootstrap_samples,
     control_rng,
     count_matched_control,
     parse_tags,
-    run_masked,
+    score_selective,
     selective_changes,
-    sparse_chunks,
     tag_changes,
-    window_bootstrap,
 )
+from probekit.analysis.stats import window_bootstrap
 from probekit.commands import main as cli
 from probekit.core.engine import Recurrence, StepEngine
 from probekit.data import postag
 from probekit.data.corpora import Document, make_windows
 from probekit.mechanisms.recirculation import Recirculation
 from probekit.mechanisms.reference import reference_recirculation
+from probekit.mechanisms.regimes import exact_chunks
 
 torch.set_num_threads(1)
 ATOL = 2e-5
@@ -49,12 +49,10 @@ def wt(universal, fine=None) -> WindowTags:
 
 
 # ---------------------------------------------------------------- exact sparse schedule
-def test_sparse_chunks():
-    mask = torch.tensor([[0, 1, 0, 0, 1, 0], [0, 0, 0, 1, 0, 0]], dtype=torch.bool)
-    assert sparse_chunks(mask) == [2, 2, 1, 1]  # chunks end at 1, 3, 4 (any row); tail 5
-    assert sparse_chunks(np.zeros(5, bool)) == [5]
-    assert sparse_chunks(np.array([0, 0, 1], bool)) == [3]
-    assert sparse_chunks(np.ones(4, bool)) == [1, 1, 1, 1]
+# (exact_chunks itself is pinned in tests/test_regimes.py)
+def run_sparse(engine, ids, rec, mask):
+    """The selective runs' schedule: chunks that end at the masked positions."""
+    return engine.run(ids, rec, mask=mask, block_size=exact_chunks(mask))
 
 
 @pytest.mark.parametrize("rec", [
@@ -62,13 +60,13 @@ def test_sparse_chunks():
     Recirculation(4, 0, alpha=0.3, ramp=5),
     Recirculation(3, 1, alpha=0.4, beta=1.0, iterations=2),
 ], ids=repr)
-def test_run_masked_equals_token_by_token(tiny_engine, rec):
+def test_sparse_schedule_equals_token_by_token(tiny_engine, rec):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (3, 24), generator=g)
     mask = torch.rand(3, 24, generator=g) < 0.2  # rows differ
     mask[2] = False  # a row with nothing recirculated
     exact = tiny_engine.run(ids, rec, mask=mask).log_probs
-    fast = run_masked(tiny_engine, ids, rec, mask).log_probs
+    fast = run_sparse(tiny_engine, ids, rec, mask).log_probs
     assert torch.allclose(fast, exact, atol=ATOL)
     plain = tiny_engine.forward(ids).log_probs
     assert (exact[:2] - plain[:2]).abs().max() > 1e-3  # the masks do change the model
@@ -78,19 +76,34 @@ def test_run_masked_equals_token_by_token(tiny_engine, rec):
     assert (blockwise[:2] - exact[:2]).abs().max() > 1e-4
 
 
-def test_run_masked_equals_the_slow_reference(tiny_model, tiny_engine):
+def test_sparse_schedule_equals_the_slow_reference(tiny_model, tiny_engine):
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(4))
     mask = torch.zeros(1, 20, dtype=torch.bool)
     mask[0, [2, 3, 9, 15]] = True
     rec = Recirculation(3, 1, alpha=0.5)
     ref = reference_recirculation(tiny_model, ids[0].tolist(), rec, mask=mask[0].tolist())
-    assert torch.allclose(run_masked(tiny_engine, ids, rec, mask).log_probs[0], ref, atol=ATOL)
+    assert torch.allclose(run_sparse(tiny_engine, ids, rec, mask).log_probs[0], ref, atol=ATOL)
 
 
-def test_run_masked_refuses_other_recurrences(tiny_engine):
+def test_score_selective_runs_the_tag_and_its_control_exactly(tiny_engine):
+    ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(5))
+    tags = [wt(["", "NOUN", "VERB", "", "DET", "NOUN", "ADV", "NOUN", "ADP", ""]),
+            wt(["NOUN", "", "VERB", "ADJ", "NOUN", "", "DET", "ADV", "ADP", "VERB"])]
+    rec = Recirculation(3, 1, alpha=0.5)
+    out = score_selective(tiny_engine, ids, rec, tags, [4, 7], "NOUN", seed=3)
+    assert (out["mask"] == np.stack([t.has("NOUN") for t in tags])).all()
+    for j, (t, i) in enumerate(zip(tags, [4, 7], strict=True)):  # seeded by window index
+        want = count_matched_control(t.has("NOUN"), t.tagged, control_rng(3, i, "NOUN"))
+        assert (out["control"][j] == want).all()
+    for name, m in (("tag", out["mask"]), ("random", out["control"])):
+        exact = tiny_engine.run(ids, rec, mask=torch.from_numpy(m)).log_probs.numpy()
+        assert out[name].shape == (2, 9) and np.allclose(out[name], exact, atol=ATOL)
+
+
+def test_score_selective_refuses_other_recurrences(tiny_engine):
     with pytest.raises(TypeError, match="exact only for Recirculation"):
-        run_masked(tiny_engine, torch.zeros(1, 4, dtype=torch.long), Recurrence(),
-                   torch.ones(1, 4, dtype=torch.bool))
+        score_selective(tiny_engine, torch.zeros(1, 4, dtype=torch.long), Recurrence(),
+                        [wt(["NOUN"] * 4)], [0], "NOUN")
 
 
 # ---------------------------------------------------------------- count-matched controls
@@ -163,9 +176,10 @@ def test_window_bootstrap_intervals():
     out = window_bootstrap(-rare, -0.5 * rare, rare, n_boot=300)
     assert 0 < out["dropped"][0] < 300 and out["ci_low"][0] == pytest.approx(out["change"][0])
     # equal seeds, equal resamples: statistics of one run are paired
-    a = bootstrap_samples(base[:, :1], rec[:, :1], count[:, :1], n_boot=20, seed=7)
-    b = bootstrap_samples(base, rec, count, n_boot=20, seed=7)
-    assert np.allclose(a[:, 0], b[:, 0], rtol=0, atol=1e-12)
+    a = window_bootstrap(base[:, :1], rec[:, :1], count[:, :1], n_boot=20, seed=7)
+    b = window_bootstrap(base, rec, count, n_boot=20, seed=7)
+    for k in ("ci_low", "ci_high"):
+        assert np.allclose(a[k][0], b[k][0], rtol=0, atol=1e-12)
 
 
 def test_selective_changes_difference_is_paired():
@@ -183,7 +197,7 @@ def test_selective_changes_difference_is_paired():
 
 
 def test_plot_sorts_tags_and_leaves_out_rare_ones():
-    from probekit.analysis.pos_attribution import plot_tag_changes
+    from probekit.plots.pos_attribution import plot_tag_changes
 
     rows = [{"tag": "all", "n_tokens": 100, "change": -1.0, "ci_low": -2.0, "ci_high": 0.0},
             {"tag": "ADV", "n_tokens": 30, "change": 1.0, "ci_low": None, "ci_high": None},
@@ -226,9 +240,7 @@ def test_window_tags_use_the_document_context(tiny_model):
 
 # ---------------------------------------------------------------- the command
 @pytest.fixture
-def run_cli(monkeypatch, tmp_path):
-    # only this module's command: the test does not depend on other modules' state
-    monkeypatch.setattr(cli, "COMMANDS", ("probekit.analysis.pos_attribution",))
+def run_cli(tmp_path):
     text_file = tmp_path / "sample.txt"
     text_file.write_text(TEXT, encoding="utf-8")
 
@@ -242,7 +254,7 @@ def run_cli(monkeypatch, tmp_path):
 
 
 def test_command_end_to_end_and_resume(run_cli, tmp_path, monkeypatch, capsys):
-    assert run_cli("--selective", "NOUN,ADV", "--noun-number", "--batch-size", "2") == 0
+    assert run_cli("--selective", "NOUN", "ADV", "--noun-number", "--batch-size", "2") == 0
     out = capsys.readouterr().out
     assert "Net change in perplexity of the predicted tokens" in out
     run = tmp_path / "run"
@@ -296,10 +308,10 @@ def test_command_end_to_end_and_resume(run_cli, tmp_path, monkeypatch, capsys):
 def test_command_more_windows_reuses_the_finished_ones(run_cli, tmp_path):
     assert run_cli("--selective", "none", "--windows", "2") == 0
     parts = tmp_path / "run" / "parts"
-    stamps = {p.name: p.stat().st_mtime_ns for p in parts.iterdir()}
+    stamps = {p.name: p.stat().st_mtime_ns for p in parts.glob("*.npz")}
     assert sorted(stamps) == ["window-00000.npz", "window-00001.npz"]
     assert run_cli("--selective", "none") == 0  # 3 windows: only the third is new
-    assert {p.name: p.stat().st_mtime_ns for p in parts.iterdir()
+    assert {p.name: p.stat().st_mtime_ns for p in parts.glob("*.npz")
             if p.name in stamps} == stamps
     assert (parts / "window-00002.npz").is_file()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -311,6 +323,40 @@ def test_command_bad_tag_fails_before_any_state(run_cli, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "error: --selective: unknown tag(s) 'adverbs'" in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--bootstrap", "0"], "--bootstrap must be >= 1; got 0"),
+    (["--confidence", "1"], "--confidence must lie in (0, 1); got 1.0"),
+    (["--windows", "0"], "--windows must be >= 1; got 0"),
+])
+def test_command_bad_numbers_fail_before_any_compute(run_cli, tmp_path, monkeypatch, capsys,
+                                                     flags, message):
+    def boom(*args, **kwargs):
+        raise AssertionError("loaded a model before validating the flags")
+
+    monkeypatch.setattr("probekit.core.models.load_model", boom)
+    assert run_cli(*flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_command_runs_with_model_relative_defaults(tmp_path):
+    """No --source/--destination: the pair comes from the model's depth (default_pair)."""
+    from probekit.core.models import load_model
+    from probekit.mechanisms.recirculation import default_pair
+
+    text_file = tmp_path / "sample.txt"
+    text_file.write_text(TEXT, encoding="utf-8")
+    assert cli.main(["pos-attribution", "--model", "tiny", "--text-file", str(text_file),
+                     "--windows", "2", "--window-tokens", "24", "--selective", "NOUN",
+                     "--bootstrap", "20", "--no-progress", "--run-dir",
+                     str(tmp_path / "run")]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    s, d = default_pair(load_model("tiny").n_blocks)
+    assert f"s={s} d={d} " in summary["recurrence"]
+    assert [r["tag"] for r in summary["selective"]] == ["NOUN"]
 
 
 def test_command_missing_tagger_names_the_fix(run_cli, tmp_path, monkeypatch, capsys):
@@ -325,13 +371,13 @@ def test_command_missing_tagger_names_the_fix(run_cli, tmp_path, monkeypatch, ca
 
 # ---------------------------------------------------------------- the real default model
 @pytest.mark.slow
-def test_default_model_run_masked_is_exact(default_engine):
+def test_default_model_sparse_schedule_is_exact(default_engine):
     ids = torch.randint(0, 1000, (2, 20), generator=torch.Generator().manual_seed(0))
     mask = torch.zeros(2, 20, dtype=torch.bool)
     mask[0, [3, 4, 11]] = True
     mask[1, [7, 16]] = True
     rec = Recirculation(20, 10, alpha=0.1)
     exact = default_engine.run(ids, rec, mask=mask).log_probs
-    fast = run_masked(default_engine, ids, rec, mask).log_probs
+    fast = run_sparse(default_engine, ids, rec, mask).log_probs
     assert torch.allclose(fast, exact, atol=1e-4)
     assert (exact - default_engine.forward(ids).log_probs).abs().max() > 1e-3

@@ -10,6 +10,7 @@ absent from every drawn window) is left out of that statistic and counted.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import numpy as np
 from scipy import stats
@@ -24,17 +25,21 @@ def pct_change_from_sums(base_sum, rec_sum, count):
 
 
 def window_bootstrap(base_sum, rec_sum, count, *, n_boot: int = 1000, level: float = 0.95,
-                     seed: int = 0) -> dict[str, np.ndarray]:
+                     seed: int = 0, paired: Sequence[tuple[int, int]] = ()
+                     ) -> dict[str, np.ndarray]:
     """Pooled % perplexity change and its percentile interval over windows.
 
     Args:
         base_sum, rec_sum, count: ``[W, G]`` (or ``[W]``) per-window sums of baseline and
             recirculated log-probs and token counts of ``G`` statistics; all ``G`` share
             the same resamples.
+        paired: ``(i, j)`` pairs of statistics whose difference ``change[i] - change[j]``
+            (percentage points, on the same resamples: a paired difference) is appended
+            after the ``G`` statistics.
 
     Returns:
-        ``{"change", "ci_low", "ci_high", "dropped"}``, each ``[G]`` (or scalar arrays for
-        ``[W]`` inputs); fewer than two windows give a NaN interval.
+        ``{"change", "ci_low", "ci_high", "dropped"}``, each ``[G + len(paired)]`` (or
+        scalar arrays for ``[W]`` inputs); fewer than two windows give a NaN interval.
     """
     if not isinstance(n_boot, int) or isinstance(n_boot, bool) or n_boot < 1:
         raise ValueError(f"--bootstrap must be an integer >= 1; got {n_boot!r}")
@@ -44,15 +49,20 @@ def window_bootstrap(base_sum, rec_sum, count, *, n_boot: int = 1000, level: flo
     scalar = base_sum.ndim == 1
     if scalar:
         base_sum, rec_sum, count = base_sum[:, None], rec_sum[:, None], count[:, None]
-    change = pct_change_from_sums(base_sum.sum(0), rec_sum.sum(0), count.sum(0))
-    n_windows, n_stats = base_sum.shape
+
+    def with_pairs(pct):  # [..., G] -> [..., G + len(paired)]
+        return np.concatenate([pct, *(pct[..., i, None] - pct[..., j, None] for i, j in paired)],
+                              axis=-1)
+
+    change = with_pairs(pct_change_from_sums(base_sum.sum(0), rec_sum.sum(0), count.sum(0)))
+    n_windows, n_stats = base_sum.shape[0], change.shape[-1]
     nan = np.full(n_stats, np.nan)
     lo, hi, dropped = nan, nan.copy(), np.zeros(n_stats, int)
     if n_windows >= 2:
         def statistic(idx, axis=-1):  # idx: [..., W] resampled window indices
             idx = idx.astype(int)
-            return np.moveaxis(pct_change_from_sums(base_sum[idx].sum(-2), rec_sum[idx].sum(-2),
-                                                    count[idx].sum(-2)), -1, 0)
+            return np.moveaxis(with_pairs(pct_change_from_sums(
+                base_sum[idx].sum(-2), rec_sum[idx].sum(-2), count[idx].sum(-2))), -1, 0)
 
         with warnings.catch_warnings():
             # scipy warns about NaN / degenerate resamples; they are handled below.
