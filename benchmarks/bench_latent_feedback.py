@@ -57,7 +57,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     if args.checkpoint:
-        from probekit.training.feedback import load_checkpoint
+        from probekit.training.checkpoint import load_checkpoint
 
         ck = load_checkpoint(args.checkpoint)
         model, gate = ck.model, ck.gate

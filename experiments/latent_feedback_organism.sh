@@ -25,12 +25,12 @@ FEEDBACK_START=${FEEDBACK_START:-600}
 #    multi-pass batches than the paper's 0.75/0.22/0.03: this run has ~1000 feedback
 #    steps, not 200B tokens)
 "$PROBEKIT" train-feedback --mode organism --steps "$STEPS" --feedback-start "$FEEDBACK_START" \
-    --schedule 0.5,0.35,0.15 ${TRAIN_ARGS:-} --threads 1 --run-dir "$RUN/train"
+    --schedule 0.5 0.35 0.15 ${TRAIN_ARGS:-} --threads 1 --run-dir "$RUN/train"
 CKPT="$RUN/train/checkpoint"
 
 # 2. state tracking through the shared pipeline (paper's probe: 4-fold grouped CV)
 "$PROBEKIT" run state-tracking --mechanism latent-feedback --checkpoint "$CKPT" \
-    --recurrence none,last-k,full --k 1 --task completion memory --examples 256 \
+    --recurrence none last-k full --k 1 --task completion memory --examples 256 \
     --distractors 0 8 --threads 1 --run-dir "$RUN/state-tracking"
 
 # 3. stability of the feedback map over many fused passes (Fig. 3)

@@ -1,5 +1,5 @@
 """Latent feedback against SEMANTICS.md "Latent feedback" (probekit.mechanisms.latent_feedback,
-probekit.mechanisms.generation, probekit.training.feedback). Tiny random Llamas; seconds in all."""
+probekit.mechanisms.generation, probekit.training). Tiny random Llamas; seconds in all."""
 
 import os
 
@@ -14,21 +14,16 @@ from probekit.mechanisms.generation import generate, sample_next
 from probekit.mechanisms.latent_feedback import (
     FeedbackGate,
     LatentFeedback,
-    Regime,
-    plan,
     prefill,
     reference_latent_feedback,
 )
-from probekit.training.feedback import (
-    TrainConfig,
-    TrainData,
-    answer_weights,
-    load_checkpoint,
-    multipass_loss,
-    pad_batch,
-    save_checkpoint,
-    train,
-)
+from probekit.mechanisms.regimes import Regime, parse_regimes, plan
+from probekit.training.checkpoint import load_checkpoint, save_checkpoint
+from probekit.training.config import OrganismConfig, TrainConfig
+from probekit.training.data import TrainData, pad_batch
+from probekit.training.objective import answer_weights, evaluate, multipass_loss, token_loss
+from probekit.training.organism import new_organism
+from probekit.training.train import train
 
 torch.set_num_threads(1)
 ATOL = 3e-5  # float32: cached, parallel and uncached paths sum in different orders
@@ -142,7 +137,7 @@ def test_last_k_fuses_each_rows_own_suffix(tiny_model, tiny_engine, gate):
 
 
 def test_plan_of_last_k_costs_one_parallel_chunk_plus_k_steps(tiny_model, gate):
-    p = plan("last-2", gate, tiny_model, torch.tensor([9, 12]))
+    p = plan(Regime.parse("last-2"), torch.tensor([9, 12]))
     assert p.block_size == [7] + [1] * 5  # shortest row 9: parallel 0..6, then one by one
     assert p.mask[0].tolist() == [False] * 7 + [True] * 2 + [False] * 3
     assert p.mask[1].tolist() == [False] * 10 + [True] * 2
@@ -165,16 +160,17 @@ def test_continuing_from_a_cache_with_the_carried_state(tiny_engine, tiny_model,
 def test_regime_parsing_and_errors(tiny_model, gate):
     assert Regime.parse("passes=4") == Regime("passes", passes=4)
     assert Regime.parse("last-3") == Regime("last-k", k=3)
-    assert Regime.parse("last-k", k=2) == Regime("last-k", k=2)
+    assert parse_regimes(["last-k"], ks=[2]) == [Regime("last-k", k=2)]
     assert str(Regime.parse(" FULL ")) == "full"
-    with pytest.raises(ValueError, match="regime must be none, last-k, full or passes=<n>"):
+    with pytest.raises(ValueError, match=r"regime must be none, last-<k> \(e.g. last-2\), full "
+                                         r"or passes=<n>"):
         Regime.parse("jacobi")
     with pytest.raises(ValueError, match="needs n >= 1"):
         Regime.parse("passes=0")
-    with pytest.raises(ValueError, match=r"needs k >= 1 \(--k\)"):
-        Regime.parse("last-k")
+    with pytest.raises(ValueError, match=r"needs k >= 1 \(e.g. last-2\)"):
+        Regime("last-k")
     with pytest.raises(ValueError, match="needs a feedback gate"):
-        plan("full", None, tiny_model, torch.tensor([5]))
+        prefill(StepEngine(tiny_model), [[1, 2, 3, 4, 5]], None, Regime("full"))
     with pytest.raises(ValueError, match="passes must be an integer >= 1"):
         LatentFeedback(gate, tiny_model, passes=0)
 
@@ -300,8 +296,6 @@ def test_multipass_objective_is_eq_12_with_undetached_gradients(tiny_model, gate
         h = hf.model(inputs_embeds=x).last_hidden_state.detach()
         prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)
         x = torch.cat([e[:, :1], gate(prev, e)[:, 1:]], 1)
-    from probekit.training.feedback import token_loss
-
     detached = token_loss(hf.lm_head(hf.model(inputs_embeds=x).last_hidden_state), ids, valid)
     assert torch.allclose(detached, losses[2], atol=1e-5)  # same value ...
     g_det = torch.autograd.grad(detached, gate.W_U.weight)[0]
@@ -330,8 +324,6 @@ def test_training_the_gate_lowers_the_fused_loss(tiny_model, tmp_path):
     data = _byte_data()
     config = TrainConfig(mode="gate", steps=30, batch_size=8, lr=1e-2, warmup=0,
                          schedule=(0.0, 1.0), eval_every=30, save_every=30)
-    from probekit.training.feedback import evaluate
-
     before = evaluate(model.hf_model, gate, data.val, 2)["loss"]
     history = train(model, gate, data, config, tmp_path / "ck", progress=False)
     after = history[-1]["val_pass_losses"]
@@ -341,9 +333,6 @@ def test_training_the_gate_lowers_the_fused_loss(tiny_model, tmp_path):
 
 
 def test_training_an_organism_lowers_its_loss(tmp_path):
-    from probekit.training.feedback import evaluate, new_organism
-    from probekit.training.organism import OrganismConfig
-
     oc = OrganismConfig(n_blocks=2, d_model=32, n_heads=2, d_mlp=64)
     model = new_organism(oc, seed=0)
     tok = model.tokenizer
@@ -353,7 +342,7 @@ def test_training_an_organism_lowers_its_loss(tmp_path):
     data = TrainData(rows, [pad_batch(rows, tok.pad_token_id)], tok.pad_token_id)
     gate = FeedbackGate.for_model(model)
     config = TrainConfig(mode="organism", steps=40, batch_size=8, lr=1e-2, warmup=5,
-                         eval_every=40, save_every=40)
+                         eval_every=40, save_every=40, answer_weight=1.0, feedback_start=0)
     before = evaluate(model.hf_model, gate, data.val, 3)["loss"]
     history = train(model, gate, data, config, tmp_path / "ck", progress=False)
     after = history[-1]["val_pass_losses"]
@@ -401,9 +390,6 @@ def test_checkpoint_for_another_model_is_rejected(tmp_path):
             rf"{model.content_hash}; the model in use, 'tiny-5', has content hash "
             rf"{other.content_hash}\. A gate only fits the weights it was trained with")):
         load_checkpoint(tmp_path, other)
-    from probekit.training.feedback import new_organism
-    from probekit.training.organism import OrganismConfig
-
     narrow = new_organism(OrganismConfig(n_blocks=2, d_model=32, n_heads=2, d_mlp=64), 0)
     with pytest.raises(ValueError, match=(
             rf"checkpoint {tmp_path} holds a gate for d_model 64 \(model 'tiny-5'\); the model "
@@ -421,6 +407,34 @@ def test_train_config_validation():
     with pytest.raises(ValueError, match=r"mixin must lie in \[0, 1\]"):
         TrainConfig(mixin=2.0)
     assert TrainConfig(schedule=[0.5, 0.5]).max_passes == 2
+
+
+def test_train_config_fills_mode_defaults_and_checks_them():
+    organism = TrainConfig(mode="organism", steps=7).resolved()
+    assert (organism.steps, organism.batch_size, organism.answer_weight,
+            organism.feedback_start) == (7, 32, 20.0, 600)
+    gate = TrainConfig().resolved()
+    assert (gate.mode, gate.steps, gate.lr, gate.feedback_start) == ("gate", 200, 1e-3, 0)
+    assert gate.resolved() is gate
+    with pytest.raises(ValueError, match="--batch-size must be a positive integer; got 0"):
+        TrainConfig(batch_size=0)
+
+
+def test_feedback_stability_cli_on_an_organism_checkpoint(organism_checkpoint, tmp_path,
+                                                          capsys):
+    import json
+
+    from probekit.commands.main import main
+
+    run = tmp_path / "stab"
+    assert main(["feedback-stability", "--checkpoint", str(organism_checkpoint), "--passes",
+                 "3", "--run-dir", str(run), "--no-progress"]) == 0
+    out = json.loads((run / "summary.json").read_text())
+    assert out["passes"] == [1, 2, 3] and len(out["answer_accuracy"]) == 3
+    assert out["checkpoint"]["step"] == 0 and (run / "stability.png").is_file()
+    assert out["seq_len"] > 3 and out["n_sequences"] >= 16
+    assert main(["feedback-stability", "--checkpoint", str(tmp_path / "none")]) == 2
+    assert "is not a checkpoint folder" in capsys.readouterr().err
 
 
 # -------------------------------------------------------------------- stability
@@ -443,9 +457,6 @@ def test_stability_curves_are_the_jacobi_passes(tiny_engine, gate):
 @pytest.fixture(scope="module")
 def organism_checkpoint(tmp_path_factory):
     """An untrained 2-block organism (word-level tokenizer) and a gate, as a checkpoint."""
-    from probekit.training.feedback import new_organism
-    from probekit.training.organism import OrganismConfig
-
     model = new_organism(OrganismConfig(n_blocks=2, d_model=32, n_heads=2, d_mlp=64), 0)
     folder = tmp_path_factory.mktemp("organism-ckpt")
     save_checkpoint(folder, gate=FeedbackGate.for_model(model, init="random", seed=2),
@@ -484,13 +495,10 @@ def test_state_tracking_needs_a_checkpoint(capsys):
 
 
 def test_mechanism_rejects_a_checkpoint_for_another_model(organism_checkpoint, tiny_model):
-    from argparse import Namespace
-
-    from probekit.mechanisms.latent_feedback import LatentFeedbackMechanism
+    from probekit.commands.state_tracking import latent_feedback_mechanism
 
     with pytest.raises(ValueError, match="holds a gate for d_model 32"):
-        LatentFeedbackMechanism.from_args(Namespace(checkpoint=str(organism_checkpoint)),
-                                          tiny_model)
+        latent_feedback_mechanism(organism_checkpoint, tiny_model.name)
 
 
 # ------------------------------------------------------------ the default model
@@ -541,5 +549,23 @@ def test_train_feedback_cli_writes_and_resumes(tmp_path, capsys):
     assert ck["step"] == 3 and ck["mode"] == "gate" and ck["model"]["name"] == "tiny"
     assert (tmp_path / "loss_curves.png").is_file()
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
-    assert main(args + ["--steps", "3", "--schedule", "0.5,0.6"]) == 2
+    assert main(args + ["--steps", "3", "--schedule", "0.5", "0.6"]) == 2
     assert "schedule must be probabilities" in capsys.readouterr().err
+
+
+def test_mode_dependent_help_names_the_real_defaults():
+    """Each mode-dependent field's help text states MODE_DEFAULTS' values."""
+    import ast
+    import inspect
+
+    from probekit.training import config
+
+    tree = ast.parse(inspect.getsource(config.TrainConfig))
+    body = tree.body[0].body
+    helps = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr):
+            helps[node.target.id] = nxt.value.value
+    for name in config.MODE_DEFAULTS["gate"]:
+        g, o = config.MODE_DEFAULTS["gate"][name], config.MODE_DEFAULTS["organism"][name]
+        assert f"(default: gate {g:g}, organism {o:g})" in helps[name], name

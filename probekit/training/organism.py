@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +39,7 @@ import torch
 import transformers
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
+from probekit.training.config import OrganismConfig
 from synthetic import make_task
 from synthetic.completion import completion_dataset
 from synthetic.dataset import FILLER_WORD, Dataset
@@ -96,37 +96,11 @@ def fit_tokenizer(tasks: Sequence[str] = VOCAB_TASKS) -> transformers.PreTrained
     return _word_tokenizer(vocab)
 
 
-@dataclass(frozen=True)
-class OrganismConfig:
-    """Shape of the organism (a Llama).
-
-    Args:
-        n_blocks: transformer blocks.
-        d_model: residual width.
-        n_heads: attention heads (``d_model`` must be a multiple).
-        d_mlp: SwiGLU hidden width.
-        n_ctx: longest context (the 468-token overwrite sweep fits in 512).
-    """
-
-    n_blocks: int = 4
-    d_model: int = 128
-    n_heads: int = 4
-    d_mlp: int = 512
-    n_ctx: int = 512
-
-    def __post_init__(self) -> None:
-        for name, v in asdict(self).items():
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"organism {name} must be a positive integer; got {v!r}")
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"organism d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})"
-            )
-
-
-def build_organism(tokenizer, config: OrganismConfig = OrganismConfig(), *,
+def build_organism(tokenizer, config: OrganismConfig | None = None, *,
                    seed: int = 0) -> transformers.LlamaForCausalLM:
-    """A freshly initialised organism for ``tokenizer`` (trainable, train mode off)."""
+    """A freshly initialised organism for ``tokenizer`` (trainable, train mode off);
+    ``config`` None is the default shape."""
+    config = config or OrganismConfig()
     eot = tokenizer.convert_tokens_to_ids(EOT)
     cfg = transformers.LlamaConfig(
         vocab_size=len(tokenizer),
@@ -148,6 +122,18 @@ def build_organism(tokenizer, config: OrganismConfig = OrganismConfig(), *,
     # sdpa trains faster on CPU; load_model switches a saved organism to eager
     model.set_attn_implementation("sdpa")
     return model
+
+
+def new_organism(config: OrganismConfig | None = None, seed: int = 0):
+    """A fresh organism as a :class:`probekit.LoadedModel` (tokenizer fitted to the tasks);
+    ``config`` None is the default shape."""
+    config = config or OrganismConfig()
+    from probekit.core.models import LoadedModel, _content_hash
+
+    tok = fit_tokenizer()
+    hf = build_organism(tok, config, seed=seed)
+    return LoadedModel(hf, tok, "organism", config.n_blocks, config.d_model, config.n_ctx,
+                       _content_hash(hf), f"organism:random:{seed}")
 
 
 def save_organism(folder: str | Path, model: transformers.PreTrainedModel, tokenizer) -> Path:
@@ -183,6 +169,17 @@ def probe_sets(tokenizer, distractors: Sequence[int] = PROBE_DISTRACTORS) -> dic
     ``distractors`` (default sizes)."""
     return {name: make_task(name, tokenizer, distractors=tuple(distractors))
             for name in TRAIN_TASKS}
+
+
+def probe_rows(tokenizer, tasks: Sequence[str] = TRAIN_TASKS) -> list[list[int]]:
+    """Token ids of the probe sets' rows (input + ``" " + label``) of ``tasks``, in
+    :data:`TRAIN_TASKS` order: the organism's validation rows."""
+    rows: list[list[int]] = []
+    for name, data in probe_sets(tokenizer).items():
+        if name in tasks:
+            texts = [ex.text + " " + ex.label for ex in data.examples]
+            rows += tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return rows
 
 
 def held_out_pairs(tokenizer) -> set[frozenset[int]]:

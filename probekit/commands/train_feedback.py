@@ -1,0 +1,83 @@
+"""``probekit train-feedback``: train latent feedback (docs/commands/train-feedback.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from typing import Annotated
+
+from probekit.commands.common import FLAT, ModelFlags, RunFlags, UsageError, say, set_threads
+from probekit.training.config import DataConfig, OrganismConfig, TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Train latent feedback with the multi-pass objective: a gate on a frozen model, or a
+    small Llama from scratch with its gate. Guide: docs/commands/train-feedback.md."""
+
+    train: Annotated[TrainConfig, FLAT] = TrainConfig()
+    model: Annotated[ModelFlags, FLAT] = ModelFlags()
+    data: Annotated[DataConfig, FLAT] = DataConfig()
+    organism: Annotated[OrganismConfig, FLAT] = OrganismConfig()
+    run: Annotated[RunFlags, FLAT] = RunFlags()
+
+    def __post_init__(self) -> None:
+        train = self.train.resolved()
+        if train.mode == "organism" and self.data.n_examples < train.batch_size:
+            raise UsageError(f"--n-examples must be >= --batch-size ({train.batch_size}); "
+                             f"got {self.data.n_examples}")
+
+
+def run(config: Config) -> int:
+    from tqdm.auto import tqdm
+
+    from probekit.core.models import load_model
+    from probekit.mechanisms.latent_feedback import FeedbackGate
+    from probekit.plots.training import plot_history
+    from probekit.runs import RunDir
+    from probekit.training.checkpoint import load_checkpoint
+    from probekit.training.data import gate_data, organism_data
+    from probekit.training.organism import new_organism, task_accuracy
+    from probekit.training.train import train
+
+    set_threads(config.model)
+    tc = config.train.resolved()
+    organism = tc.mode == "organism"
+    # the organism is defined by its config and seed; a gate also by the frozen model
+    model = new_organism(config.organism, tc.seed) if organism else load_model(config.model.model)
+    run_dir = RunDir.open("train-feedback", dataclasses.replace(config, train=tc),
+                          model=None if organism else model, path=config.run.run_dir,
+                          fresh=config.run.fresh)
+    ckpt = run_dir.path / "checkpoint"
+    if config.run.fresh and ckpt.exists():
+        shutil.rmtree(ckpt)
+    if organism:
+        data = organism_data(model.tokenizer, tasks=config.data.tasks,
+                             n_examples=config.data.n_examples, seed=tc.seed)
+    else:
+        data = gate_data(model, tc.seq_len, n_windows=config.data.n_windows)
+    gate = FeedbackGate.for_model(model)
+    say(f"train-feedback ({tc.mode}): model {model.name} ({model.n_blocks} blocks, "
+        f"d_model {model.d_model}); data {data.description}; run dir {run_dir.path}")
+    t0 = time.time()
+    history = train(model, gate, data, tc, ckpt,
+                    organism_config=dataclasses.asdict(config.organism) if organism else None,
+                    progress=config.run.progress, log=tqdm.write)
+    elapsed = time.time() - t0
+    run_dir.save_figure(plot_history(history, f"train-feedback ({tc.mode}, {model.name})"),
+                        "loss_curves.png")
+    summary = {"steps": tc.steps, "seconds_this_run": elapsed,
+               "train_seconds_total": history[-1]["time"] if history else 0.0,
+               "final_val_pass_losses": next((h["val_pass_losses"] for h in reversed(history)
+                                              if "val_pass_losses" in h), None),
+               "checkpoint": str(ckpt), "data": data.description}
+    if organism:
+        loaded = load_checkpoint(ckpt)
+        summary["task_accuracy"] = task_accuracy(loaded.model, loaded.gate, config.data.tasks)
+        say("task accuracy (label at the final colon): " + json.dumps(summary["task_accuracy"]))
+    run_dir.write_json("summary.json", summary)
+    say(f"final validation loss by pass: {summary['final_val_pass_losses']}",
+        f"checkpoint: {ckpt}  (use --checkpoint {ckpt})")
+    return 0

@@ -1,0 +1,221 @@
+"""Latent-feedback checkpoints: the one place trainers save and consumers load from.
+
+A checkpoint is a folder (``<run>/checkpoint/`` of ``probekit train-feedback``)::
+
+    config.json            format, mode, step, the model it belongs to (name, content hash,
+                           d_model, n_blocks, source), the gate's d_model, the resolved
+                           TrainConfig, the organism shape, AdamW's param groups
+    model.safetensors      the gate (``gate.*``)
+    optimizer.safetensors  AdamW moments (for resuming)
+    history.json           per-step losses and validations
+    organism/              organism mode: an ordinary Hugging Face folder (load_model reads it)
+
+Consumers (``probekit run state-tracking --mechanism latent-feedback``,
+``probekit feedback-stability``, benchmarks, notebooks) call :func:`load_checkpoint`;
+the trainer calls :func:`save_checkpoint` and, to resume, :func:`restore_training`. A
+gate only fits the weights it was trained with, so a checkpoint is refused by a model of
+another ``d_model`` or content hash, with the fix in the message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from probekit.mechanisms.latent_feedback import FeedbackGate, check_gate
+from probekit.runs import write_json
+from probekit.training.config import TrainConfig
+
+FORMAT = "probekit-feedback-checkpoint"
+
+
+@dataclass
+class FeedbackCheckpoint:
+    """A loaded checkpoint: the gate, the model it belongs to, and its config."""
+
+    gate: FeedbackGate
+    model: Any
+    config: dict
+    path: Path
+    history: list = field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        return int(self.config["step"])
+
+    @property
+    def mode(self) -> str:
+        return str(self.config["mode"])
+
+
+def model_identity(model) -> dict:
+    return {"name": model.name, "content_hash": model.content_hash, "d_model": model.d_model,
+            "n_blocks": model.n_blocks, "source": model.source}
+
+
+# ------------------------------------------------------------------------- save
+def _write_safetensors(path: Path, tensors: dict[str, Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, Tensor], list]:
+    sd = opt.state_dict()
+    tensors = {f"state.{i}.{k}": v if isinstance(v, Tensor) else torch.tensor(v)
+               for i, st in sd["state"].items() for k, v in st.items()}
+    return tensors, sd["param_groups"]
+
+
+def _save_organism(folder: Path, model) -> None:
+    """Replace ``folder/organism`` by the model's current weights (swap, then delete)."""
+    from probekit.core.models import _content_hash
+    from probekit.training.organism import save_organism
+
+    tmp = folder / ".organism.tmp"
+    save_organism(tmp, model.hf_model, model.tokenizer)
+    if (folder / "organism").exists():
+        os.replace(folder / "organism", folder / ".organism.old")
+    os.replace(tmp, folder / "organism")
+    shutil.rmtree(folder / ".organism.old", ignore_errors=True)
+    model.content_hash = _content_hash(model.hf_model)  # the weights changed in training
+
+
+def save_checkpoint(folder: str | Path, *, gate: FeedbackGate, model, config: TrainConfig,
+                    step: int, optimizer: torch.optim.Optimizer | None = None,
+                    history: list | None = None, organism_config: dict | None = None) -> Path:
+    """Write a checkpoint folder (module docstring). Files are replaced one by one
+    atomically, ``config.json`` last, so a reader never sees a newer config than weights."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = config.resolved()
+    if config.mode == "organism":
+        _save_organism(folder, model)
+    _write_safetensors(folder / "model.safetensors",
+                       {f"gate.{k}": v for k, v in gate.state_dict().items()})
+    groups: list = []
+    if optimizer is not None:
+        tensors, groups = _optimizer_tensors(optimizer)
+        _write_safetensors(folder / "optimizer.safetensors", tensors)
+    if history is not None:
+        write_json(folder / "history.json", history)
+    identity = model_identity(model)
+    if config.mode == "organism":  # the model to name in messages: the saved organism
+        identity["name"] = str(folder / "organism")
+    write_json(folder / "config.json", {
+        "format": FORMAT, "version": 1, "mode": config.mode, "step": step,
+        "model": identity, "gate": {"d_model": gate.d_model}, "train": asdict(config),
+        "organism": organism_config, "optimizer_param_groups": groups,
+    })
+    return folder
+
+
+# ------------------------------------------------------------------------- load
+def read_checkpoint_config(path: str | Path) -> dict:
+    """The ``config.json`` of a checkpoint folder, checked to be one."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(
+            f"no feedback checkpoint at {path}: expected a folder with config.json and "
+            f"model.safetensors written by `probekit train-feedback`"
+        )
+    cfg = json.loads(cfg_file.read_text())
+    if cfg.get("format") != FORMAT:
+        raise ValueError(f"{cfg_file} is not a probekit feedback checkpoint (format {FORMAT!r})")
+    return cfg
+
+
+def check_model_matches(cfg: dict, model, path: Path) -> None:
+    """Reject a checkpoint trained for another model (d_model first, then weights)."""
+    want = cfg["model"]
+    if want["d_model"] != model.d_model:
+        raise ValueError(
+            f"checkpoint {path} holds a gate for d_model {want['d_model']} (model "
+            f"{want['name']!r}); the model in use, {model.name!r}, has d_model {model.d_model}. "
+            f"Use --model {want['name']} or a checkpoint trained for this model"
+        )
+    if want["content_hash"] != model.content_hash:
+        raise ValueError(
+            f"checkpoint {path} was trained for model {want['name']!r} with content hash "
+            f"{want['content_hash']}; the model in use, {model.name!r}, has content hash "
+            f"{model.content_hash}. A gate only fits the weights it was trained with: use "
+            f"--model {want['name']} or a checkpoint trained for this model"
+        )
+
+
+def _gate_weights(path: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    weights = load_file(str(path / "model.safetensors"))
+    return {k[len("gate."):]: v for k, v in weights.items() if k.startswith("gate.")}
+
+
+def load_checkpoint(path: str | Path, model=None) -> FeedbackCheckpoint:
+    """Load a checkpoint folder.
+
+    Organism checkpoints bring their own model (``<path>/organism``); a ``model`` given
+    must then be that organism. Gate checkpoints need the model they were trained for:
+    ``model`` (checked) or, when None, loaded by the recorded name.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path``.
+        ValueError: the checkpoint belongs to a model of another ``d_model`` or weights.
+    """
+    from probekit.core.models import load_model
+
+    path = Path(path)
+    cfg = read_checkpoint_config(path)
+    if model is None:
+        if cfg["mode"] == "organism":
+            model = load_model(str(path / "organism"))
+            model.name = str(path / "organism")
+        else:
+            model = load_model(cfg["model"]["name"])
+    check_model_matches(cfg, model, path)
+    gate = FeedbackGate(cfg["gate"]["d_model"])
+    gate.load_state_dict(_gate_weights(path))
+    gate.eval()
+    check_gate(gate, model)
+    history = []
+    if (path / "history.json").is_file():
+        history = json.loads((path / "history.json").read_text())
+    return FeedbackCheckpoint(gate, model, cfg, path, history)
+
+
+def restore_training(path: str | Path, *, gate: FeedbackGate, model, config: TrainConfig,
+                     optimizer: torch.optim.Optimizer) -> tuple[int, list[dict]]:
+    """Load a checkpoint's gate, organism weights (organism mode) and optimizer state in
+    place, to resume training; returns ``(step, history)``."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg = read_checkpoint_config(path)
+    if cfg["mode"] != config.mode:
+        raise ValueError(f"{path} holds a {cfg['mode']}-mode checkpoint, not {config.mode}")
+    gate.load_state_dict(_gate_weights(path))
+    if config.mode == "organism":
+        own = load_file(str(path / "organism" / "model.safetensors"))
+        missing, unexpected = model.hf_model.load_state_dict(own, strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied
+            raise ValueError(f"{path}/organism does not fit this organism shape "
+                             f"(missing {missing}, unexpected {unexpected})")
+    else:
+        check_model_matches(cfg, model, path)
+    if (path / "optimizer.safetensors").is_file():
+        state: dict[int, dict[str, Tensor]] = {}
+        for key, v in load_file(str(path / "optimizer.safetensors")).items():
+            _, i, k = key.split(".", 2)
+            state.setdefault(int(i), {})[k] = v
+        optimizer.load_state_dict({"state": state,
+                                   "param_groups": cfg["optimizer_param_groups"]})
+    return int(cfg["step"]), json.loads((path / "history.json").read_text())

@@ -1,0 +1,167 @@
+"""The hyperparameters of latent-feedback training (:class:`TrainConfig`).
+
+``TrainConfig`` is both the library's configuration of :func:`probekit.training.train.train`
+and the flags of ``probekit train-feedback`` (tyro makes one flag per field; each field's
+docstring is its help). Several defaults depend on ``--mode``; those fields default to
+None, meaning "the mode's default" (:data:`MODE_DEFAULTS`), and :meth:`TrainConfig.resolved`
+fills them in. The reasons for each default are in docs/latent-feedback.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from probekit.runs import not_identity
+
+MODES = ("gate", "organism")
+#: Defaults that differ by mode: a gate on a frozen pretrained model learns from few,
+#: small batches of long windows; the organism trains from scratch on short task rows.
+#: (Each field's help repeats these numbers; a test checks that they agree.)
+MODE_DEFAULTS = {
+    "gate": dict(steps=200, batch_size=4, lr=1e-3, warmup=20, eval_every=50, save_every=25,
+                 answer_weight=1.0, feedback_start=0),
+    "organism": dict(steps=1600, batch_size=32, lr=3e-3, warmup=100, eval_every=200,
+                     save_every=100, answer_weight=20.0, feedback_start=600),
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Multi-pass training of a latent-feedback gate (paper Sec. 3.3, App. C)."""
+
+    mode: Literal["gate", "organism"] = "gate"
+    """gate: a gate on a frozen pretrained --model; organism: a small Llama from scratch"""
+    steps: int | None = not_identity(None)
+    """total optimizer steps, resumable (default: gate 200, organism 1600)"""
+    batch_size: int | None = None
+    """sequences per step (default: gate 4, organism 32)"""
+    seq_len: int = 128
+    """tokens per training window (gate mode; organism rows are whole examples)"""
+    lr: float | None = None
+    """peak AdamW learning rate (default: gate 0.001, organism 0.003)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay (matrices only)"""
+    warmup: int | None = None
+    """linear warm-up steps (default: gate 20, organism 100)"""
+    lam: float = 1.0
+    """lambda of Eq. 12: the weight of the fused passes' losses"""
+    schedule: tuple[float, ...] = (0.75, 0.22, 0.03)
+    """probabilities of 1, 2, 3, ... passes per batch (paper: 0.75 0.22 0.03)"""
+    feedback_start: int | None = None
+    """one pass only before this step (default: gate 0, organism 600)"""
+    mixin: float = 0.5
+    """probability that a row keeps a random plain prefix in passes > 1"""
+    jitter: float = 0.02
+    """sigma of the uniform noise on the carried state (Eq. 13)"""
+    grad_clip: float = 1.0
+    """gradient-norm clip (0: none)"""
+    answer_weight: float | None = None
+    """loss weight of each row's last target, 1 = the paper (default: gate 1, organism 20)"""
+    eval_every: int | None = not_identity(None)
+    """steps between validations, 0 = at the end (default: gate 50, organism 200)"""
+    save_every: int | None = not_identity(None)
+    """steps between checkpoints (default: gate 25, organism 100)"""
+    seed: int = 0
+    """seeds initialisation, data order, pass counts, mixin and jitter"""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {MODES}; got {self.mode!r}")
+        object.__setattr__(self, "schedule", tuple(float(p) for p in self.schedule))
+        if self._unresolved():
+            self.resolved()  # building the filled-in copy checks it (the branch below)
+        else:
+            _validate(self)
+
+    def _unresolved(self) -> bool:
+        return any(getattr(self, name) is None for name in MODE_DEFAULTS[self.mode])
+
+    def resolved(self) -> TrainConfig:
+        """This config with every mode default (None) filled in from :data:`MODE_DEFAULTS`."""
+        if not self._unresolved():
+            return self
+        filled = {k: v for k, v in MODE_DEFAULTS[self.mode].items() if getattr(self, k) is None}
+        return dataclasses.replace(self, **filled)
+
+    @property
+    def max_passes(self) -> int:
+        return len(self.schedule)
+
+
+def _validate(c: TrainConfig) -> None:
+    """Every check of a resolved config; messages name the flag."""
+    for name in ("steps", "batch_size", "seq_len", "save_every"):
+        v = getattr(c, name)
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"--{_flag(name)} must be a positive integer; got {v!r}")
+    for name in ("warmup", "eval_every", "seed", "feedback_start"):
+        v = getattr(c, name)
+        if not isinstance(v, int) or v < 0:
+            raise ValueError(f"--{_flag(name)} must be an integer >= 0; got {v!r}")
+    if c.seq_len < 2:
+        raise ValueError(f"--seq-len must be >= 2 (one next-token target); got {c.seq_len}")
+    if not c.schedule or any(p < 0 for p in c.schedule) or abs(sum(c.schedule) - 1) > 1e-6:
+        raise ValueError(
+            f"--schedule must be probabilities of 1, 2, 3, ... passes summing to 1 "
+            f"(e.g. 0.75 0.22 0.03); got {' '.join(map(str, c.schedule))}"
+        )
+    if not c.lr > 0:
+        raise ValueError(f"--lr must be > 0; got {c.lr}")
+    for name in ("lam", "weight_decay", "grad_clip", "jitter"):
+        if getattr(c, name) < 0:
+            raise ValueError(f"--{_flag(name)} must be >= 0; got {getattr(c, name)}")
+    if not c.answer_weight > 0:
+        raise ValueError(f"--answer-weight must be > 0; got {c.answer_weight}")
+    if not 0 <= c.mixin <= 1:
+        raise ValueError(f"--mixin must lie in [0, 1]; got {c.mixin}")
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class OrganismConfig:
+    """Shape of the organism (a Llama; organism mode of ``probekit train-feedback``)."""
+
+    n_blocks: int = 4
+    """organism transformer blocks"""
+    d_model: int = 128
+    """organism residual width"""
+    n_heads: int = 4
+    """organism attention heads (--d-model must be a multiple)"""
+    d_mlp: int = 512
+    """organism SwiGLU hidden width"""
+    n_ctx: int = 512
+    """organism context length (the 468-token overwrite sweep fits in 512)"""
+
+    def __post_init__(self) -> None:
+        for name, v in asdict(self).items():
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} (organism shape) must be a "
+                                 f"positive integer; got {v!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"--d-model ({self.d_model}) must be a multiple of --n-heads "
+                             f"({self.n_heads})")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What training reads: Wikipedia windows (gate mode) or task rows (organism mode)."""
+
+    n_windows: int = 2048
+    """training windows of --seq-len Wikipedia tokens (gate mode)"""
+    tasks: tuple[Literal["completion", "memory"], ...] = ("completion", "memory")
+    """organism training tasks"""
+    n_examples: int = 12000
+    """organism training examples"""
+
+    def __post_init__(self) -> None:
+        if self.n_windows < 1:
+            raise ValueError(f"--n-windows must be >= 1; got {self.n_windows}")
+        if not self.tasks:
+            raise ValueError("--tasks needs at least one task (completion, memory)")
+        if self.n_examples < 1:
+            raise ValueError(f"--n-examples must be >= 1; got {self.n_examples}")

@@ -1,0 +1,89 @@
+"""What latent-feedback training reads: Wikipedia windows (gate mode) or task rows (organism).
+
+:class:`TrainData` holds token rows to sample batches from and fixed validation batches.
+A step's batch is drawn from that step's own generator (``probekit.training.train``),
+so a resumed run sees exactly the batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+def pad_batch(rows: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Right-pad ``rows`` -> (``[B, T]`` ids, ``[B, T-1]`` valid next-token targets)."""
+    T = max(len(r) for r in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+    lengths = torch.tensor([len(r) for r in rows])
+    valid = torch.arange(1, T)[None, :] < lengths[:, None]
+    return ids, valid
+
+
+@dataclass
+class TrainData:
+    """Where batches come from: ``train`` rows sampled per step, fixed ``val`` batches."""
+
+    train: list[list[int]]
+    val: list[tuple[Tensor, Tensor]]
+    pad_id: int
+    description: dict = field(default_factory=dict)
+    #: draw each batch from rows of similar length (variable-length rows: less padding)
+    bucket: bool = False
+
+    def __post_init__(self) -> None:
+        self._by_length = sorted(range(len(self.train)), key=lambda i: len(self.train[i]))
+
+    def batch(self, size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        if self.bucket:  # `size` neighbours in length order, from a random start
+            start = int(torch.randint(0, max(1, len(self.train) - size + 1), (1,),
+                                      generator=generator))
+            idx = self._by_length[start: start + size]
+        else:
+            idx = torch.randint(0, len(self.train), (size,), generator=generator).tolist()
+        return pad_batch([self.train[i] for i in idx], self.pad_id)
+
+
+def gate_data(model, seq_len: int, *, n_windows: int = 2048, val_windows: int = 16) -> TrainData:
+    """Wikipedia windows of ``seq_len`` tokens; the last ``val_windows`` are held out."""
+    from probekit.data.corpora import load_corpus, make_windows
+
+    docs, chars = [], 0
+    need = 8 * (n_windows + val_windows) * seq_len  # chars; ~4 per token, 2x spare
+    for doc in load_corpus("wiki"):  # tokenize only as much text as the windows need
+        docs.append(doc)
+        chars += len(doc.text)
+        if chars >= need:
+            break
+    windows = make_windows(docs, model.tokenizer, seq_len, None, bos=False,
+                           max_tokens=model.n_ctx)
+    if len(windows) < val_windows + 1:
+        raise ValueError(f"the corpus has only {len(windows)} windows of {seq_len} tokens; "
+                         f"lower --seq-len")
+    rows = [w.input_ids for w in windows]
+    train_rows, val_rows = rows[: -val_windows][:n_windows], rows[-val_windows:]
+    val = [pad_batch(val_rows[i: i + 8], 0) for i in range(0, len(val_rows), 8)]
+    return TrainData(train_rows, val, pad_id=0,
+                     description={"corpus": "wiki", "train_windows": len(train_rows),
+                                  "val_windows": len(val_rows), "seq_len": seq_len})
+
+
+def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int,
+                  distractors: Sequence[int] | None = None) -> TrainData:
+    """Task inputs + label words (:func:`probekit.training.organism.training_examples`); the
+    validation batches are the default probe sets with their labels."""
+    from probekit.training.organism import probe_rows, training_examples
+
+    kw = {} if distractors is None else {"distractors": tuple(distractors)}
+    rows = training_examples(tokenizer, tasks, n_examples=n_examples, seed=seed + 1, **kw)
+    pad = tokenizer.pad_token_id
+    val_rows = sorted(probe_rows(tokenizer, tasks), key=len)  # similar lengths per batch
+    val = [pad_batch(val_rows[i: i + 32], pad) for i in range(0, len(val_rows), 32)]
+    return TrainData(rows, val, pad_id=pad, bucket=True,
+                     description={"tasks": list(tasks), "train_examples": len(rows),
+                                  "val_examples": len(val_rows)})

@@ -1,0 +1,136 @@
+"""The multi-pass objective of latent feedback (full-bandwidth paper Sec. 3.3, App. C).
+
+One training step (App. C, Fig. 9) on a batch of token ids ``x`` ``[B, T]``::
+
+    K ~ schedule                           # passes this batch (--schedule)
+    e = embed(x);  h(1) = model(e)         # pass 1: the plain model
+    for k = 2 .. K:
+        s = shift_right(h(k-1) + U[-sigma, sigma])      # jitter on the carried state
+        u = gate(s, e)                                  # Eq. 4 (position 0 stays e_0)
+        u[t <= p] = e[t <= p]                           # prefix mixin, random p per row
+        h(k) = model(u)
+    loss = NTP(h(1)) + lambda / (K-1) * sum_k NTP(h(k))  # Eq. 12
+
+``h`` is the top state after the final norm (the choice of
+:mod:`probekit.mechanisms.latent_feedback`); gradients are **not** detached between
+passes, so later passes' losses reach earlier passes' states. Each pass is one parallel
+forward of the Hugging Face model with ``inputs_embeds``: the differentiable twin of the
+engine's ``passes=n`` regime (``tests/test_latent_feedback.py`` pins that both give the
+same logits).
+
+Choices where the paper is silent: prefix mixin applies to a row with probability
+``mixin`` with ``p`` uniform over the row's positions, drawn anew for every pass; the
+jitter ``sigma`` is absolute, in units of the final-normed state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from probekit.mechanisms.latent_feedback import FeedbackGate
+
+
+def token_loss(logits: Tensor, ids: Tensor, valid: Tensor) -> Tensor:
+    """Weighted mean next-token cross-entropy; ``valid`` ``[B, T-1]`` is a bool mask or
+    float weights of the targets."""
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(),
+                         reduction="none").view_as(valid)
+    w = valid.float()
+    return (ce * w).sum() / w.sum().clamp_min(1e-12)
+
+
+def answer_weights(valid: Tensor, weight: float) -> Tensor:
+    """``valid`` as float weights with each row's last target weighted ``weight``."""
+    w = valid.float()
+    if weight != 1.0:
+        last = valid.sum(1) - 1
+        w[torch.arange(len(w)), last] = weight
+    return w
+
+
+def multipass_loss(
+    hf_model,
+    gate: FeedbackGate,
+    ids: Tensor,
+    valid: Tensor,
+    n_passes: int,
+    *,
+    lam: float = 1.0,
+    mixin: float = 0.0,
+    jitter: float = 0.0,
+    generator: torch.Generator | None = None,
+    first_pass_grad: bool = True,
+    return_logits: bool = False,
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """Eq. 12 on one batch (module docstring).
+
+    Args:
+        ids: ``[B, T]`` token ids (right-padded; causal attention keeps padding out).
+        valid: ``[B, T-1]`` bool (which next-token targets count) or float weights.
+        n_passes: ``K``.
+        first_pass_grad: False when nothing trainable feeds pass 1 (gate mode).
+
+    Returns:
+        ``(total, per-pass losses, per-pass logits if return_logits else [])``.
+    """
+    inner = hf_model.model
+    e = inner.embed_tokens(ids)
+    B, T, _ = e.shape
+    positions = torch.arange(T)
+    x = e
+    losses: list[Tensor] = []
+    all_logits: list[Tensor] = []
+    for k in range(n_passes):
+        grad = first_pass_grad or k > 0
+        with contextlib.nullcontext() if grad else torch.no_grad():
+            h = inner(inputs_embeds=x, use_cache=False).last_hidden_state  # after final norm
+            logits = hf_model.lm_head(h)
+            losses.append(token_loss(logits, ids, valid))
+        if return_logits:
+            all_logits.append(logits)
+        if k == n_passes - 1:
+            break
+        if jitter > 0:
+            noise = torch.rand(h.shape, generator=generator, dtype=h.dtype) * 2 - 1
+            h = h + jitter * noise
+        prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)  # shift right
+        fused = gate(prev, e)
+        prefix = torch.zeros(B, dtype=torch.long)  # positions t <= prefix stay plain
+        if mixin > 0:
+            use = torch.rand(B, generator=generator) < mixin
+            p = torch.randint(0, T, (B,), generator=generator)
+            prefix = torch.where(use, p, prefix)
+        on = positions[None, :] > prefix[:, None]
+        x = torch.where(on[..., None], fused, e)
+    total = losses[0]
+    if n_passes > 1:
+        total = total + lam / (n_passes - 1) * sum(losses[1:])
+    return total, losses, all_logits
+
+
+@torch.no_grad()
+def evaluate(hf_model, gate: FeedbackGate, batches: list[tuple[Tensor, Tensor]],
+             n_passes: int) -> dict[str, list[float]]:
+    """Validation metrics of each Jacobi pass 1..n (no mixin, no jitter): ``loss`` (mean
+    next-token loss) and ``last_token_accuracy`` (argmax at each row's last target, which
+    for task rows is the label word)."""
+    sums, hits = np.zeros(n_passes), np.zeros(n_passes)
+    count = rows = 0
+    for ids, valid in batches:
+        _, losses, logits = multipass_loss(hf_model, gate, ids, valid, n_passes,
+                                           return_logits=True)
+        n = float(valid.sum())
+        sums += np.array([v.item() for v in losses]) * n
+        count += n
+        last = valid.sum(1)  # each row's last target is ids[last]
+        b = torch.arange(len(ids))
+        for k, lg in enumerate(logits):
+            hits[k] += int((lg[b, last - 1].argmax(-1) == ids[b, last]).sum())
+        rows += len(ids)
+    return {"loss": (sums / max(count, 1)).tolist(),
+            "last_token_accuracy": (hits / max(rows, 1)).tolist()}

@@ -1,0 +1,149 @@
+"""The latent-feedback training loop: optimizer, schedule, resume (paper Sec. 3.3, App. C).
+
+:func:`train` minimises the multi-pass objective (:mod:`probekit.training.objective`)
+with AdamW, linear warm-up and cosine decay to 10% of the peak rate. Modes:
+
+- ``gate``: only the gate trains; the pretrained model is frozen. Pass 1 then does not
+  depend on any trainable weight, so it runs without gradients, and a one-pass batch
+  only records its loss (no optimizer step).
+- ``organism``: a small Llama trained from scratch together with its gate on
+  synthetic-task text (:mod:`probekit.training.organism`).
+
+Resuming is exact: every step's batch, pass count, mixin and jitter come from a
+generator seeded by ``(seed, step)`` (:func:`step_generator`), and the checkpoint
+(:mod:`probekit.training.checkpoint`) holds the weights, AdamW's moments and the step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from probekit.mechanisms.latent_feedback import FeedbackGate
+from probekit.training.checkpoint import restore_training, save_checkpoint
+from probekit.training.config import TrainConfig
+from probekit.training.data import TrainData
+from probekit.training.objective import answer_weights, evaluate, multipass_loss
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The generator of one step's data, pass count, mixin and jitter (resume-exact)."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+def draw_passes(schedule: tuple[float, ...], generator: torch.Generator) -> int:
+    """A pass count ``K >= 1`` with ``P(K = k) = schedule[k-1]``."""
+    return int(torch.multinomial(torch.tensor(schedule), 1, generator=generator)) + 1
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to ``lr / 10`` at ``steps``."""
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    frac = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def make_optimizer(params: list[tuple[str, torch.nn.Parameter]],
+                   config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only."""
+    decay = [p for n, p in params if p.ndim >= 2]
+    rest = [p for n, p in params if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay},
+         {"params": rest, "weight_decay": 0.0}],
+        lr=config.lr, betas=(0.9, 0.95),
+    )
+
+
+def _validate(hf, gate: FeedbackGate, data: TrainData, config: TrainConfig) -> dict:
+    """Validation metrics by pass, with the modules back in their training mode after."""
+    hf.eval()
+    gate.eval()
+    val = evaluate(hf, gate, data.val, max(3, config.max_passes))
+    hf.train(config.mode == "organism")
+    gate.train()
+    return {"val_pass_losses": val["loss"], "val_last_token_accuracy": val["last_token_accuracy"]}
+
+
+def train(
+    model,
+    gate: FeedbackGate,
+    data: TrainData,
+    config: TrainConfig,
+    checkpoint_dir: str | Path,
+    *,
+    organism_config: dict | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """Train (or resume training) and checkpoint into ``checkpoint_dir``; returns history.
+
+    In organism mode every model parameter trains; in gate mode only the gate's. ``log``
+    receives one line on resuming and one per validation."""
+    from tqdm.auto import tqdm
+
+    config = config.resolved()
+    log = log or (lambda line: None)
+    ckpt = Path(checkpoint_dir)
+    hf = model.hf_model
+    trainable = [(f"gate.{n}", p) for n, p in gate.named_parameters()]
+    if config.mode == "organism":
+        hf.requires_grad_(True)
+        trainable += [(f"model.{n}", p) for n, p in hf.named_parameters()]
+    else:
+        hf.requires_grad_(False)
+    opt = make_optimizer(trainable, config)
+    start, history = 0, []
+    if (ckpt / "config.json").is_file():
+        start, history = restore_training(ckpt, gate=gate, model=model, config=config,
+                                          optimizer=opt)
+        log(f"resuming from {ckpt} at step {start}")
+
+    if start == 0 and config.eval_every:  # where training starts from, for the curves
+        history.append({"step": 0, **_validate(hf, gate, data, config), "time": 0.0})
+    hf.train(config.mode == "organism")
+    gate.train()
+    bar = tqdm(range(start, config.steps), desc=f"train-feedback ({config.mode})", unit="step",
+               initial=start, total=config.steps, disable=not progress)
+    t0, t_done = time.time(), (history[-1]["time"] if history else 0.0)
+    for step in bar:
+        g = step_generator(config.seed, step)
+        ids, valid = data.batch(config.batch_size, g)
+        K = draw_passes(config.schedule, g) if step >= config.feedback_start else 1
+        lr = lr_at(step, config)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        weights = answer_weights(valid, config.answer_weight)
+        total, losses, _ = multipass_loss(
+            hf, gate, ids, weights, K, lam=config.lam, mixin=config.mixin,
+            jitter=config.jitter, generator=g, first_pass_grad=config.mode == "organism",
+        )
+        if total.requires_grad:  # gate mode, K = 1: nothing trainable in the loss
+            opt.zero_grad(set_to_none=True)
+            total.backward()
+            if config.grad_clip:
+                torch.nn.utils.clip_grad_norm_([p for _, p in trainable], config.grad_clip)
+            opt.step()
+        entry = {"step": step + 1, "passes": K, "lr": lr, "loss": total.item(),
+                 "pass_losses": [v.item() for v in losses], "time": t_done + time.time() - t0}
+        done = step + 1 == config.steps
+        if (config.eval_every and (step + 1) % config.eval_every == 0) or done:
+            entry.update(_validate(hf, gate, data, config))
+            log(f"step {step + 1}: val loss by pass " + " ".join(
+                f"{v:.4f}" for v in entry["val_pass_losses"]) + "; last-token accuracy by pass "
+                + " ".join(f"{v:.3f}" for v in entry["val_last_token_accuracy"]))
+        history.append(entry)
+        bar.set_postfix(loss=f"{total.item():.3f}", K=K)
+        if (step + 1) % config.save_every == 0 or done:
+            save_checkpoint(ckpt, gate=gate, model=model, config=config, step=step + 1,
+                            optimizer=opt, history=history, organism_config=organism_config)
+    bar.close()
+    hf.eval()
+    gate.eval()
+    hf.requires_grad_(False)
+    return history
