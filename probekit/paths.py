@@ -3,7 +3,7 @@
 - cache (``$PROBEKIT_CACHE_DIR`` or ``platformdirs.user_cache_dir("probekit")``):
   dequantised models, tokenizers, the parsed Wikipedia corpus. Safe to delete.
 - data (``$PROBEKIT_DATA_DIR`` or ``platformdirs.user_data_dir("probekit")``): the offline
-  NLTK tagger files that ``python -m probekit.data.postag`` writes.
+  NLTK tagger files that ``probekit setup`` writes.
 - runs (``runs/`` under the working directory): run directories of commands.
 """
 

@@ -76,3 +76,19 @@ def smollm2_tokenizer():
     except OSError:  # another session got there first; its copy is the same
         shutil.rmtree(partial, ignore_errors=True)
     return tokenizer
+
+
+@pytest.fixture(scope="session")
+def organism_checkpoint(tmp_path_factory):
+    """An untrained 2-block organism (word-level tokenizer) and a random gate, saved as a
+    latent-feedback checkpoint."""
+    from probekit.mechanisms.latent_feedback import FeedbackGate
+    from probekit.training.checkpoint import save_checkpoint
+    from probekit.training.config import OrganismConfig, TrainConfig
+    from probekit.training.organism import new_organism
+
+    model = new_organism(OrganismConfig(n_blocks=2, d_model=32, n_heads=2, d_mlp=64), 0)
+    folder = tmp_path_factory.mktemp("organism-ckpt")
+    save_checkpoint(folder, gate=FeedbackGate.for_model(model, init="random", seed=2),
+                    model=model, config=TrainConfig(mode="organism"), step=0)
+    return folder

@@ -45,7 +45,7 @@ def test_fast_single_token_benefit_equals_slow_definition(tiny_engine, name):
     rec = RECIRCULATIONS[name]
     ids = random_ids(3, 20)
     fast = lag.single_token_benefit(tiny_engine, ids, rec, POSITIONS, K)
-    slow = lag.single_token_benefit_slow(tiny_engine, ids, rec, POSITIONS, K)
+    slow = lag.benefit_slow(tiny_engine, ids, rec, POSITIONS, K)
     assert fast.shape == slow.shape == (3, len(POSITIONS), K + 1)
     assert (fast - slow).abs().max() <= TOL
     # Not a vacuous comparison: recirculating one token moves later predictions.
@@ -56,7 +56,7 @@ def test_lag_zero_is_exactly_zero_and_computed(tiny_engine):
     ids = random_ids(2, 20, seed=1)
     rec = RECIRCULATIONS["paper-default"]
     fast = lag.single_token_benefit(tiny_engine, ids, rec, POSITIONS, K)
-    slow = lag.single_token_benefit_slow(tiny_engine, ids, rec, POSITIONS, K)
+    slow = lag.benefit_slow(tiny_engine, ids, rec, POSITIONS, K)
     comp = lag.complement_benefit(tiny_engine, ids, rec, POSITIONS, K)
     for b in (fast, slow, comp):
         assert torch.equal(b[..., 0], torch.zeros_like(b[..., 0]))
@@ -88,7 +88,7 @@ def test_fast_complement_equals_slow_definition(tiny_engine, name):
     rec = RECIRCULATIONS[name]
     ids = random_ids(2, 20, seed=3)
     fast = lag.complement_benefit(tiny_engine, ids, rec, POSITIONS, K)
-    slow = lag.complement_benefit_slow(tiny_engine, ids, rec, POSITIONS, K)
+    slow = lag.benefit_slow(tiny_engine, ids, rec, POSITIONS, K, complement=True)
     assert (fast - slow).abs().max() <= TOL
     assert fast[..., 1:].abs().max() > 1e-3
 
@@ -284,7 +284,7 @@ def test_default_model_fast_lag_equals_slow(default_engine):
     ids = torch.tensor([r[:14] for r in default_engine.model.tokenizer(texts)["input_ids"]])
     rec = Recirculation(11, 4, alpha=0.1)
     fast = lag.single_token_benefit(default_engine, ids, rec, [3, 8], 4)
-    slow = lag.single_token_benefit_slow(default_engine, ids, rec, [3, 8], 4)
+    slow = lag.benefit_slow(default_engine, ids, rec, [3, 8], 4)
     assert torch.equal(fast[..., 0], torch.zeros_like(fast[..., 0]))
     # Float32 on a 30-block model: the two summation orders differ by ~1e-5 per token.
     assert (fast - slow).abs().max() <= 5e-5

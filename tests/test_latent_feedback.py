@@ -454,16 +454,6 @@ def test_stability_curves_are_the_jacobi_passes(tiny_engine, gate):
 
 
 # --------------------------------------------------- state-tracking integration
-@pytest.fixture(scope="module")
-def organism_checkpoint(tmp_path_factory):
-    """An untrained 2-block organism (word-level tokenizer) and a gate, as a checkpoint."""
-    model = new_organism(OrganismConfig(n_blocks=2, d_model=32, n_heads=2, d_mlp=64), 0)
-    folder = tmp_path_factory.mktemp("organism-ckpt")
-    save_checkpoint(folder, gate=FeedbackGate.for_model(model, init="random", seed=2),
-                    model=model, config=TrainConfig(mode="organism"), step=0)
-    return folder
-
-
 def test_state_tracking_runs_latent_feedback_from_a_checkpoint(organism_checkpoint, tmp_path):
     import json
 

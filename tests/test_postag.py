@@ -96,8 +96,10 @@ def test_unpickler_refuses_code(tmp_path):
         postag._load_pickle(path)
 
 
-def test_main_prints_where(tmp_path, capsys):
-    postag.main(["--data-dir", str(tmp_path)])
+def test_setup_command_prints_where(tmp_path, capsys):
+    from probekit.commands.main import main
+
+    assert main(["setup", "--data-dir", str(tmp_path)]) == 0
     assert str(tmp_path / "nltk_data") in capsys.readouterr().out
     assert (tmp_path / "nltk_data" / postag.UNIVERSAL_MAP).is_file()
     nltk.data.path.remove(str(tmp_path / "nltk_data"))

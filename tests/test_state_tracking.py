@@ -221,26 +221,11 @@ def test_tiny_model_runs_with_the_tasks_word_level_tokenizer(tmp_path):
     assert len(load_model("tiny").tokenizer) == 257
 
 
-@pytest.fixture(scope="module")
-def feedback_checkpoint(tmp_path_factory):
-    """An untrained 2-block organism (word-level tokenizer) and a random gate."""
-    from probekit.mechanisms.latent_feedback import FeedbackGate
-    from probekit.training.checkpoint import save_checkpoint
-    from probekit.training.config import OrganismConfig, TrainConfig
-    from probekit.training.organism import new_organism
-
-    model = new_organism(OrganismConfig(n_blocks=2, d_model=32, n_heads=2, d_mlp=64), 0)
-    folder = tmp_path_factory.mktemp("organism-ckpt")
-    save_checkpoint(folder, gate=FeedbackGate.for_model(model, init="random", seed=2),
-                    model=model, config=TrainConfig(mode="organism"), step=0)
-    return folder
-
-
-def test_passes_n_runs_under_latent_feedback(feedback_checkpoint, tmp_path):
+def test_passes_n_runs_under_latent_feedback(organism_checkpoint, tmp_path):
     """`--recurrence passes=<n>` (Jacobi prefill, readout from the last pass): one pass is
     the plain model (none), and T or more passes equal full (SEMANTICS.md)."""
     run_dir = tmp_path / "run"
-    assert cli("--mechanism", "latent-feedback", "--checkpoint", str(feedback_checkpoint),
+    assert cli("--mechanism", "latent-feedback", "--checkpoint", str(organism_checkpoint),
                "--recurrence", "passes=1", "passes=64", "full", "--task", "memory",
                "--examples", "16", "--distractors", "0", "--run-dir", str(run_dir)) == 0
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -27,7 +27,7 @@ of the cache: the same operations on the same numbers, hence bitwise equal when 
 readout rule holds. Lags ``>= 1`` are compared with the parallel baseline forward:
 the same maths in a different float32 summation order, so fast and slow agree to
 float32 rounding, not bitwise (tolerances and measurements: docs/recirculation-analysis.md).
-:func:`single_token_benefit_slow` is the definition itself (a full sequential run with
+:func:`benefit_slow` is the definition itself (a full sequential run with
 a one-hot mask per ``t``, against a sequential plain run); tests pin fast == slow.
 
 **Complementary benefit** (Sec. 4.4.4, last paragraph: "recirculated all-but-one
@@ -137,28 +137,26 @@ def parse_positions(spec: str | Sequence[str] | None, window_tokens: int, max_la
     return sorted(out)
 
 
-def _require_recirculation(recirculation) -> None:
+def _checked(engine: StepEngine, recirculation, input_ids: Tensor, positions: Sequence[int],
+             max_lag: int) -> Tensor:
+    """The ids of a lag computation, after every check (before any state is made)."""
     if not isinstance(recirculation, Recirculation):
         raise TypeError(
             "lag analysis needs a Recirculation (a recurrence that acts only after the first "
             f"pass, through the position mask); got {type(recirculation).__name__}"
         )
+    ids = check_lag_inputs(input_ids, positions, max_lag)
+    recirculation.check(engine.n_blocks)
+    return ids
 
 
 # ------------------------------------------------------------ single token
 
 
 @torch.no_grad()
-def single_token_benefit(
-    engine: StepEngine,
-    input_ids: Tensor,
-    recirculation: Recirculation,
-    positions: Sequence[int],
-    max_lag: int,
-    *,
-    baseline: RunResult | None = None,
-    progress: bool = False,
-) -> Tensor:
+def single_token_benefit(engine: StepEngine, input_ids: Tensor, recirculation: Recirculation,
+                         positions: Sequence[int], max_lag: int, *,
+                         baseline: RunResult | None = None, progress: bool = False) -> Tensor:
     """``[windows, len(positions), max_lag + 1]`` benefit ``B(t, k)``, by the exact fast path.
 
     Args:
@@ -167,9 +165,7 @@ def single_token_benefit(
         max_lag: ``K``; lags ``0 .. K`` are returned (``t + K + 1 <= T - 1``).
         baseline: ``engine.forward(input_ids, return_cache=True)`` if already computed.
     """
-    _require_recirculation(recirculation)
-    ids = check_lag_inputs(input_ids, positions, max_lag)
-    recirculation.check(engine.n_blocks)
+    ids = _checked(engine, recirculation, input_ids, positions, max_lag)
     K = max_lag
     if baseline is None:
         baseline = engine.forward(ids, return_cache=True)
@@ -177,11 +173,7 @@ def single_token_benefit(
         raise ValueError(
             "baseline must be engine.forward(input_ids, return_cache=True) of these ids")
     out = torch.empty(ids.shape[0], len(positions), K + 1)
-    for i, t in enumerate(tqdm(positions, desc="positions", disable=not progress, leave=False)):
-        t = int(t)
-        seq = t + K + 2
-        onehot = torch.zeros(seq, dtype=torch.bool)
-        onehot[t] = True
+    for i, t, seq, onehot in _masks(positions, K, complement=False, progress=progress):
         rec = engine.run(ids[:, :seq], recirculation, mask=onehot, start=t,
                          cache=baseline.cache.copy(length=t), block_size=[1, K + 1])
         # The plain step at t on an identical cache: lag 0's comparison, same float ops.
@@ -195,25 +187,22 @@ def single_token_benefit(
 
 
 @torch.no_grad()
-def single_token_benefit_slow(
-    engine: StepEngine,
-    input_ids: Tensor,
-    recirculation: Recirculation,
-    positions: Sequence[int],
-    max_lag: int,
-) -> Tensor:
-    """The definition: per ``t``, a full token-by-token run with only ``t`` recirculating,
-    against a token-by-token plain run. Same shape as :func:`single_token_benefit`."""
-    _require_recirculation(recirculation)
-    ids = check_lag_inputs(input_ids, positions, max_lag)
+def benefit_slow(engine: StepEngine, input_ids: Tensor, recirculation: Recirculation,
+                 positions: Sequence[int], max_lag: int, *, complement: bool = False) -> Tensor:
+    """The definitions, by full token-by-token runs per ``t`` (shape as the fast paths):
+    ``B(t, k)``: only ``t`` recirculating minus the plain model; with ``complement``,
+    ``C(t, k)``: everything recirculating minus everything but ``t``."""
+    only = not complement
+    ids = _checked(engine, recirculation, input_ids, positions, max_lag)
     T = ids.shape[1]
-    base = engine.run(ids, None).log_probs
+    reference = engine.run(ids, None if only else recirculation).log_probs
     out = torch.empty(ids.shape[0], len(positions), max_lag + 1)
     for i, t in enumerate(positions):
-        onehot = torch.zeros(T, dtype=torch.bool)
-        onehot[t] = True
-        rec = engine.run(ids, recirculation, mask=onehot).log_probs
-        out[:, i] = rec[:, t : t + max_lag + 1] - base[:, t : t + max_lag + 1]
+        mask = torch.full((T,), not only, dtype=torch.bool)
+        mask[t] = only
+        run = engine.run(ids, recirculation, mask=mask).log_probs
+        first, second = (run, reference) if only else (reference, run)
+        out[:, i] = first[:, t : t + max_lag + 1] - second[:, t : t + max_lag + 1]
     return out
 
 
@@ -228,34 +217,21 @@ def all_positions_run(engine: StepEngine, input_ids: Tensor, recirculation: Reci
 
 
 @torch.no_grad()
-def complement_benefit(
-    engine: StepEngine,
-    input_ids: Tensor,
-    recirculation: Recirculation,
-    positions: Sequence[int],
-    max_lag: int,
-    *,
-    all_run: RunResult | None = None,
-    progress: bool = False,
-) -> Tensor:
+def complement_benefit(engine: StepEngine, input_ids: Tensor, recirculation: Recirculation,
+                       positions: Sequence[int], max_lag: int, *,
+                       all_run: RunResult | None = None, progress: bool = False) -> Tensor:
     """``[windows, len(positions), max_lag + 1]`` complementary benefit ``C(t, k)`` (exact).
 
     ``all_run``: :func:`all_positions_run` of these ids, if already computed.
     """
-    _require_recirculation(recirculation)
-    ids = check_lag_inputs(input_ids, positions, max_lag)
-    recirculation.check(engine.n_blocks)
+    ids = _checked(engine, recirculation, input_ids, positions, max_lag)
     K = max_lag
     if all_run is None:
         all_run = all_positions_run(engine, ids, recirculation, progress=progress)
     if all_run.cache is None:
         raise ValueError("all_run must keep its cache: all_positions_run(...) or return_cache=True")
     out = torch.empty(ids.shape[0], len(positions), K + 1)
-    for i, t in enumerate(tqdm(positions, desc="positions", disable=not progress, leave=False)):
-        t = int(t)
-        seq = t + K + 2
-        mask = torch.ones(seq, dtype=torch.bool)
-        mask[t] = False
+    for i, t, seq, mask in _masks(positions, K, complement=True, progress=progress):
         # t+K and t+K+1 go in one chunk: the prediction at t+K is their last scored one,
         # and recirculating either of them could only reach later predictions.
         mask[t + K:] = False
@@ -266,27 +242,14 @@ def complement_benefit(
     return out
 
 
-@torch.no_grad()
-def complement_benefit_slow(
-    engine: StepEngine,
-    input_ids: Tensor,
-    recirculation: Recirculation,
-    positions: Sequence[int],
-    max_lag: int,
-) -> Tensor:
-    """The definition: a full run recirculating everything against, per ``t``, a full run
-    recirculating everything but ``t``."""
-    _require_recirculation(recirculation)
-    ids = check_lag_inputs(input_ids, positions, max_lag)
-    T = ids.shape[1]
-    full = engine.run(ids, recirculation).log_probs
-    out = torch.empty(ids.shape[0], len(positions), max_lag + 1)
-    for i, t in enumerate(positions):
-        mask = torch.ones(T, dtype=torch.bool)
-        mask[t] = False
-        rest = engine.run(ids, recirculation, mask=mask).log_probs
-        out[:, i] = full[:, t : t + max_lag + 1] - rest[:, t : t + max_lag + 1]
-    return out
+def _masks(positions: Sequence[int], K: int, *, complement: bool, progress: bool):
+    """``(i, t, seq, mask)`` per position ``t``: the ``seq = t + K + 2`` tokens the fast
+    path runs, and the mask recirculating ``t`` alone (or, ``complement``, all but ``t``)."""
+    for i, t in enumerate(tqdm(positions, desc="positions", disable=not progress, leave=False)):
+        t = int(t)
+        mask = torch.full((t + K + 2,), complement, dtype=torch.bool)
+        mask[t] = not complement
+        yield i, t, t + K + 2, mask
 
 
 def _check_lag_zero(benefit: Tensor, what: str) -> None:

@@ -22,6 +22,7 @@ COMMANDS = {
     ("run", "state-tracking"): "state_tracking",
     ("train-feedback",): "train_feedback",
     ("feedback-stability",): "feedback_stability",
+    ("setup",): "setup",
 }
 SUMMARY = {
     "perplexity": "baseline vs recirculated perplexity on a corpus",
@@ -31,6 +32,7 @@ SUMMARY = {
     "run state-tracking": "probe and patch task state per depth under prefill regimes (Fig. 7)",
     "train-feedback": "train a latent-feedback gate or a from-scratch organism",
     "feedback-stability": "stability of the learned feedback over many passes (Fig. 3)",
+    "setup": "prepare offline assets (the part-of-speech tagger)",
 }
 
 

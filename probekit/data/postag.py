@@ -57,7 +57,6 @@ sentence is then tagged exactly as tagging the whole document would tag it.
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import functools
 import importlib.util
@@ -367,20 +366,3 @@ def token_tags(window: Window, *, noun_number: bool = False,
     return [None if w is None else
             noun_number_tag(w.penn, w.universal) if noun_number else w.universal
             for w in token_words(window, document_text)]
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m probekit.data.postag [--data-dir DIR]``: set up the tagger, print where."""
-    parser = argparse.ArgumentParser(
-        prog="python -m probekit.data.postag",
-        description="Set up NLTK's English PoS tagger offline (from the textblob-aptagger "
-                    "wheel) and print where it is.")
-    parser.add_argument("--data-dir", help="probekit data dir (default: $PROBEKIT_DATA_DIR "
-                        "or the platform's user data dir)")
-    args = parser.parse_args(argv)
-    root = ensure_tagger(args.data_dir)
-    print(f"NLTK tagger and universal tagset map ready in {root}")
-
-
-if __name__ == "__main__":
-    main()
