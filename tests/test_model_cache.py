@@ -98,3 +98,18 @@ def test_size_only_check_then_unreadable_file_is_rebuilt(tmp_path, tiny_parts):
         model_cache.load_or_build(folder, load=load, build=lambda: tiny_parts,
                                   save=lambda p: p, what="model cache", hashes=False)
     assert model_cache.record(folder)["files"] == rec["files"]
+
+
+def test_a_load_that_contradicts_the_record_is_rebuilt_with_its_reason(tmp_path, tiny_parts):
+    """How the default model's cache catches a changed byte when only sizes are checked
+    up front: its load compares the weights' content hash with the recorded one."""
+    folder = tmp_path / "m"
+    model_cache.write(folder, tiny_parts, {"content_hash": "recorded"})
+
+    def load(f):
+        raise model_cache.Mismatch("its weights hash to other, not the recorded recorded")
+
+    with pytest.warns(UserWarning, match=r"is broken \(its weights hash to other, not the "
+                                         r"recorded recorded\); rebuilding it"):
+        model_cache.load_or_build(folder, load=load, build=lambda: tiny_parts,
+                                  save=lambda p: p, what="model cache", hashes=False)

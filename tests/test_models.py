@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from probekit.core import models
+from probekit.core import model_cache, models
 from probekit.core.models import (
     DEFAULT_MODEL,
     LoadedModel,
@@ -125,7 +125,7 @@ def test_local_folder_round_trip(tiny, tmp_path):
 
 def test_write_cache_is_atomic(tiny, tmp_path, monkeypatch):
     dest = tmp_path / "models" / "x"
-    models._write_cache(dest, tiny.hf_model, tiny.tokenizer)
+    model_cache.write(dest, (tiny.hf_model, tiny.tokenizer))
     assert (dest / "model.safetensors").is_file()
     assert load_model(str(dest)).content_hash == tiny.content_hash
 
@@ -135,7 +135,7 @@ def test_write_cache_is_atomic(tiny, tmp_path, monkeypatch):
     dest2 = tmp_path / "models" / "y"
     monkeypatch.setattr(type(tiny.tokenizer), "save_pretrained", broken_save)
     with pytest.raises(OSError, match="disk full"):
-        models._write_cache(dest2, tiny.hf_model, tiny.tokenizer)
+        model_cache.write(dest2, (tiny.hf_model, tiny.tokenizer))
     assert sorted(p.name for p in dest.parent.iterdir()) == ["x"]  # no partial folder left
 
 

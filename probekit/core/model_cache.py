@@ -24,6 +24,11 @@ from typing import Any
 RECORD = "probekit-cache.json"
 
 
+class Mismatch(ValueError):
+    """Raised by a ``load`` function whose loaded object contradicts the folder's record
+    (e.g. weights that hash to another content hash): the folder is rebuilt."""
+
+
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -84,16 +89,20 @@ def problem(folder: Path, *, hashes: bool = True) -> str | None:
 
 def load_or_build(folder: Path, *, load: Callable[[Path], Any], build: Callable[[], Any],
                   save: Callable[[Any], tuple], extra: Callable[[Any], dict] | None = None,
-                  what: str = "cache", hashes: bool = True):
+                  what: str = "cache", hashes: bool = True, reload: bool = False):
     """The object cached in ``folder``: ``load(folder)`` if the folder is sound, else
     ``build()``, saved with ``write(folder, save(obj), extra(obj))`` and returned.
 
     ``hashes=False`` checks sizes only before loading (for large weight files whose
-    content hash ``extra`` records and the caller compares after loading)."""
+    content hash ``extra`` records and the caller compares after loading). ``reload``
+    returns ``load(folder)`` after a build, so a first load and later ones give the same
+    objects (e.g. a tokenizer read back from disk)."""
     reason = problem(folder, hashes=hashes)
     if reason is None:
         try:
             return load(folder)
+        except Mismatch as e:
+            reason = str(e)
         except Exception as e:  # a file that passed the size check but does not parse
             reason = f"unreadable ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
     if reason != "missing":
@@ -103,4 +112,5 @@ def load_or_build(folder: Path, *, load: Callable[[Path], Any], build: Callable[
         write(folder, save(obj), extra(obj) if extra else None)
     except OSError as e:  # a read-only or full disk costs speed next time, not this load
         warnings.warn(f"could not write the {what} {folder}: {e}", stacklevel=3)
-    return obj
+        return obj
+    return load(folder) if reload else obj

@@ -56,9 +56,6 @@ import hashlib
 import importlib.util
 import os
 import re
-import shutil
-import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +64,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from probekit.core import model_cache
 from probekit.paths import cache_dir
 
 __all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelNotFoundError", "cache_dir", "is_tiny",
@@ -134,8 +132,8 @@ def load_model(
         raise ValueError(f"tokenizer= only applies to tiny models; {name!r} brings its own")
     if key in (DEFAULT_MODEL, "default"):
         gguf = _smollm2_gguf()
-        model, tokenizer = _load_smollm2(gguf, dtype)
-        return _finish(model, tokenizer, DEFAULT_MODEL, str(gguf))
+        model, tokenizer, digest = _load_smollm2(gguf, dtype)
+        return _finish(model, tokenizer, DEFAULT_MODEL, str(gguf), digest)
     if tiny := _TINY.fullmatch(key):
         n_blocks = int(tiny.group(1) or 4)
         if n_blocks < 1:
@@ -182,24 +180,26 @@ def _smollm2_gguf() -> Path:
 
 
 def _load_smollm2(gguf: Path, dtype: torch.dtype):
-    """Read the dequantised cache, creating it from the GGUF on first use."""
-    folder = cache_dir() / "models" / f"{DEFAULT_MODEL}-{_file_sha256(gguf)[:12]}"
-    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
-        try:
-            return _load_folder(folder, dtype)
-        except Exception as e:
-            raise RuntimeError(
-                f"the model cache {folder} is unreadable ({e}); delete that folder and the "
-                "next load rebuilds it from the GGUF"
-            ) from e
-    model, tokenizer = _load_gguf(gguf, torch.float32)
-    try:
-        _write_cache(folder, model, tokenizer)
-    except OSError as e:  # a read-only or full disk costs speed next time, not this load
-        warnings.warn(f"could not cache the model at {folder}: {e}", stacklevel=3)
-    else:  # the cached tokenizer, so that first and later loads behave the same
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    return model.to(dtype), tokenizer
+    """The dequantised cache (verified: :mod:`probekit.core.model_cache`), built from the
+    GGUF on first use or when broken. Returns ``(model, tokenizer, content_hash)``."""
+    folder = cache_dir() / "models" / f"{DEFAULT_MODEL}-{model_cache.file_sha256(gguf)[:12]}"
+    got: dict[str, str] = {}
+
+    def load(f: Path):
+        model, tokenizer = _load_folder(f, torch.float32)
+        recorded = (model_cache.record(f) or {}).get("content_hash")
+        got["hash"] = content_hash(model)
+        if got["hash"] != recorded:  # sizes matched, so a byte changed inside a tensor
+            raise model_cache.Mismatch(f"its weights hash to {got['hash']}, not the recorded "
+                                       f"{recorded}")
+        return model, tokenizer
+
+    model, tokenizer = model_cache.load_or_build(
+        folder, load=load, build=lambda: _load_gguf(gguf, torch.float32), save=lambda mt: mt,
+        extra=lambda mt: {"content_hash": content_hash(mt[0])}, what="model cache",
+        hashes=False, reload=True)
+    digest = got.get("hash") or content_hash(model)
+    return model.to(dtype), tokenizer, digest if dtype == torch.float32 else None
 
 
 def _load_local(path: Path, dtype: torch.dtype):
@@ -312,45 +312,20 @@ def _byte_tokenizer() -> transformers.PreTrainedTokenizerBase:
 
 
 def _cached_tokenizer(tokenizer, name: str):
-    """``tokenizer`` saved once as ``<cache>/tokenizers/<name>`` and read back from there
-    (the TransformerLens bridge re-reads a tokenizer from its ``name_or_path``)."""
-    folder = cache_dir() / "tokenizers" / name
-    if not (folder / "tokenizer.json").is_file():
-        try:
-            _write_cache(folder, tokenizer)
-        except OSError as e:
-            warnings.warn(f"could not cache the tiny tokenizer at {folder}: {e}", stacklevel=5)
-            return tokenizer
-    return AutoTokenizer.from_pretrained(folder)
+    """``tokenizer`` saved once as ``<cache>/tokenizers/<name>`` (verified, rebuilt when
+    broken) and read back from there (the TransformerLens bridge re-reads a tokenizer from
+    its ``name_or_path``)."""
+    return model_cache.load_or_build(
+        cache_dir() / "tokenizers" / name, load=AutoTokenizer.from_pretrained,
+        build=lambda: tokenizer, save=lambda t: (t,), what="tokenizer cache", reload=True)
 
 
 # --- shared --------------------------------------------------------------------------
 
 
-def _write_cache(folder: Path, *objects) -> None:
-    """`save_pretrained` each object into `folder` atomically (temp sibling, then rename)."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{folder.name}-", dir=folder.parent))
-    try:
-        for obj in objects:
-            obj.save_pretrained(tmp)
-        os.rename(tmp, folder)
-    except OSError:
-        if not folder.is_dir():  # a concurrent load may have won the rename: that is fine
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _content_hash(model: torch.nn.Module) -> str:
+def content_hash(model: torch.nn.Module) -> str:
+    """sha256 over the parameters (sorted by name; name, shape and float32 bytes), first 16
+    hex characters: a model's identity in run directories and checkpoints."""
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):  # tied weights appear once
         h.update(f"{name}:{tuple(p.shape)}".encode())
@@ -375,7 +350,7 @@ def _check_llama_family(model: transformers.PreTrainedModel) -> None:
         )
 
 
-def _finish(model, tokenizer, name: str, source: str) -> LoadedModel:
+def _finish(model, tokenizer, name: str, source: str, digest: str | None = None) -> LoadedModel:
     _check_llama_family(model)
     model.eval()
     model.requires_grad_(False)
@@ -391,6 +366,6 @@ def _finish(model, tokenizer, name: str, source: str) -> LoadedModel:
         n_blocks=cfg.num_hidden_layers,
         d_model=cfg.hidden_size,
         n_ctx=cfg.max_position_embeddings,
-        content_hash=_content_hash(model),
+        content_hash=digest or content_hash(model),
         source=source,
     )

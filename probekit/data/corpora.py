@@ -25,10 +25,10 @@ sentences and punctuation preserved (not gensim's lower-cased token lists):
   removed, are removed;
 - articles with fewer than ``MIN_ARTICLE_WORDS`` words after clean-up are skipped.
 
-Parsing takes 3.5-9 s on one CPU core (measured here, mostly ``filter_wiki``), so the result
-is cached as JSON (about 3 MB) under ``platformdirs.user_cache_dir("probekit")``
+Parsing takes seconds (mostly gensim's ``filter_wiki``), so the result is cached as JSON
+(about 3 MB) under ``platformdirs.user_cache_dir("probekit")``
 (``PROBEKIT_CACHE_DIR`` overrides), keyed by the dump's SHA-256 and
-``WIKI_FORMAT``; a cached load takes about 50 ms.
+``WIKI_FORMAT``; a cached load is fast.
 
 Windows (papers/recirculation.md, App. B.1/B.2): each document is tokenised on its
 own with the model's tokenizer (no special tokens) and cut into consecutive

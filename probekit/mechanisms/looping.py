@@ -39,6 +39,7 @@ from torch import Tensor
 
 from probekit.core.engine import RunResult, StepEngine, score
 from probekit.core.kv_cache import KVCache
+from probekit.mechanisms.recirculation import check_block_pair
 
 
 @dataclass(frozen=True)
@@ -54,15 +55,7 @@ class Looping:
     l2: int
 
     def __post_init__(self) -> None:
-        for name in ("l1", "l2"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise TypeError(f"{name} must be an integer block index; got {v!r}")
-        if self.l1 < 0:
-            raise ValueError(f"l1 must be >= 0; got {self.l1}")
-        if self.l2 <= self.l1:
-            raise ValueError(f"l2 ({self.l2}) must be a deeper block than l1 ({self.l1}): "
-                             f"need 0 <= l1 < l2")
+        check_block_pair("l1", self.l1, "l2", self.l2, error=TypeError)
 
     def check(self, n_blocks: int) -> None:
         if self.l2 > n_blocks - 1:

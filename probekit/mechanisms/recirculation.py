@@ -43,6 +43,19 @@ from probekit.core.engine import Recurrence, Rerun, Step
 NORMS = ("ratio", "none")
 
 
+def check_block_pair(low_name: str, low, high_name: str, high, error=ValueError) -> None:
+    """Raise ``error`` (ValueError by default) unless ``0 <= low < high`` are block indices:
+    the shared rule of a recirculation path (d < s) and a looped range (l1 < l2)."""
+    for name, v in ((low_name, low), (high_name, high)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise error(f"{name} must be an integer block index; got {v!r}")
+    if low < 0:
+        raise ValueError(f"{low_name} must be >= 0; got {low}")
+    if high <= low:
+        raise ValueError(f"{high_name} ({high}) must be a deeper block than {low_name} ({low}): "
+                         f"need 0 <= {low_name} < {high_name}")
+
+
 def _unit_number(v) -> bool:
     """A real number (not a bool or a string) in [0, 1]; NaN is not."""
     return isinstance(v, numbers.Real) and not isinstance(v, bool) and 0.0 <= float(v) <= 1.0
@@ -82,17 +95,7 @@ class RecirculationPath:
     beta: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("source", "destination"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise ValueError(f"{name} must be an integer block index; got {v!r}")
-        if self.destination < 0:
-            raise ValueError(f"destination must be >= 0; got {self.destination}")
-        if self.source <= self.destination:
-            raise ValueError(
-                f"source ({self.source}) must be a deeper block than destination "
-                f"({self.destination}): need 0 <= destination < source"
-            )
+        check_block_pair("destination", self.destination, "source", self.source)
         if not _unit_number(self.alpha):
             raise ValueError(f"alpha must lie in [0, 1]; got {self.alpha!r}")
         if self.beta is not None and not _unit_number(self.beta):

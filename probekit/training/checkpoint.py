@@ -78,7 +78,7 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, Tensor], l
 
 def _save_organism(folder: Path, model) -> None:
     """Replace ``folder/organism`` by the model's current weights (swap, then delete)."""
-    from probekit.core.models import _content_hash
+    from probekit.core.models import content_hash
     from probekit.training.organism import save_organism
 
     tmp = folder / ".organism.tmp"
@@ -87,7 +87,7 @@ def _save_organism(folder: Path, model) -> None:
         os.replace(folder / "organism", folder / ".organism.old")
     os.replace(tmp, folder / "organism")
     shutil.rmtree(folder / ".organism.old", ignore_errors=True)
-    model.content_hash = _content_hash(model.hf_model)  # the weights changed in training
+    model.content_hash = content_hash(model.hf_model)  # the weights changed in training
 
 
 def save_checkpoint(folder: str | Path, *, gate: FeedbackGate, model, config: TrainConfig,

@@ -128,12 +128,12 @@ def new_organism(config: OrganismConfig | None = None, seed: int = 0):
     """A fresh organism as a :class:`probekit.LoadedModel` (tokenizer fitted to the tasks);
     ``config`` None is the default shape."""
     config = config or OrganismConfig()
-    from probekit.core.models import LoadedModel, _content_hash
+    from probekit.core.models import LoadedModel, content_hash
 
     tok = fit_tokenizer()
     hf = build_organism(tok, config, seed=seed)
     return LoadedModel(hf, tok, "organism", config.n_blocks, config.d_model, config.n_ctx,
-                       _content_hash(hf), f"organism:random:{seed}")
+                       content_hash(hf), f"organism:random:{seed}")
 
 
 def save_organism(folder: str | Path, model: transformers.PreTrainedModel, tokenizer) -> Path:
