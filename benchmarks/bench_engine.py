@@ -1,6 +1,7 @@
 """Engine speed on the default model, as ratios measured in one run.
 
     .venv/bin/python benchmarks/bench_engine.py [--tokens 256] [--batches 1 8] [--big-batch 32]
+    .venv/bin/python benchmarks/bench_engine.py --backend nnsight [--tokens 64] [--batches 1]
 
 (a) the engine with no recurrence vs Hugging Face's own cached decoding loop
     (model(input_ids=x_t, past_key_values=cache) per token on an un-bridged copy of
@@ -13,6 +14,10 @@
     the prefix, so it is timed at a few prefix lengths and summed over t = 0..T-1 from a
     least-squares line (stated in the output) — target >= 10x;
 (d) tokens/s of the recirculated engine at batch 32 vs batch 1.
+
+``--backend nnsight`` instead times the nnsight backend (every embed, block range and
+readout one nnsight trace) against the lens backend and HF's cached decode, plain and
+recirculated, on a separate copy of the weights (the lens backend wraps its copy).
 
 Each contender is timed ``--repeats`` times, alternating, and the fastest run counts.
 Times are the process's CPU time (``time.process_time``) by default, with torch on one
@@ -82,6 +87,29 @@ def naive_prefix_step(hf, ids, t, stored, s, d, alpha):
                        "ratio")
 
 
+def bench_nnsight(engine, hf, rec, args) -> None:
+    """Step cost of the nnsight backend as ratios to the lens backend and to HF decode."""
+    nn = StepEngine(load_model(), backend="nnsight")
+    T = args.tokens
+    g = torch.Generator().manual_seed(0)
+    for B in args.batches:
+        ids = torch.randint(0, 49152, (B, T), generator=g)
+        t = best_of({
+            "hf": lambda: hf_decode(hf, ids),
+            "lens": lambda: engine.run(ids),
+            "nnsight": lambda: nn.run(ids),
+            "lens_rec": lambda: engine.run(ids, rec),
+            "nnsight_rec": lambda: nn.run(ids, rec),
+        }, args.repeats)
+        ms = {k: v / T * 1e3 for k, v in t.items()}
+        print(f"\nbatch {B}: ms/token HF decode {ms['hf']:.1f}, lens {ms['lens']:.1f}, nnsight "
+              f"{ms['nnsight']:.1f}; recirculated: lens {ms['lens_rec']:.1f}, nnsight "
+              f"{ms['nnsight_rec']:.1f}")
+        print(f"  nnsight / lens       = {t['nnsight'] / t['lens']:.2f} (no recurrence), "
+              f"{t['nnsight_rec'] / t['lens_rec']:.2f} (recirculated)")
+        print(f"  nnsight / HF decode  = {t['nnsight'] / t['hf']:.2f} (no recurrence)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=256)
@@ -93,6 +121,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    ap.add_argument("--backend", choices=["lens", "nnsight"], default="lens",
+                    help="nnsight: time the nnsight backend against lens and HF decode")
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -104,6 +134,9 @@ def main() -> None:
     rec = Recirculation(s, d, args.alpha)
     print(f"SmolLM2-135M, {L} blocks, {T} tokens, s={s} d={d} alpha={args.alpha}, "
           f"torch threads {torch.get_num_threads()}, {args.clock} time, best of {args.repeats}")
+    if args.backend == "nnsight":
+        bench_nnsight(engine, hf, rec, args)
+        return
     g = torch.Generator().manual_seed(0)
     rows = []
     for B in args.batches:

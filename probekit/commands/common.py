@@ -36,7 +36,7 @@ class ModelFlags:
     model: str = "smollm2-135m"
     """smollm2-135m (default, offline), tiny / tiny-<n>, a local Hugging Face folder or
     .gguf file, or a hub name when a hub is reachable"""
-    backend: Literal["lens"] = "lens"
+    backend: Literal["lens", "nnsight"] = "lens"
     """execution backend"""
     threads: int | None = not_identity(None)
     """torch CPU threads (default: torch's choice)"""

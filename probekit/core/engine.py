@@ -94,7 +94,8 @@ class StepEngine:
 
     Args:
         model: a :class:`probekit.LoadedModel`.
-        backend: ``"lens"`` (TransformerLens bridge) or a :class:`Backend` instance.
+        backend: ``"lens"`` (TransformerLens bridge), ``"nnsight"`` (nnsight traces) or a
+            :class:`Backend` instance.
     """
 
     def __init__(self, model, backend: str | Backend = "lens") -> None:

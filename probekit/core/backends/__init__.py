@@ -33,6 +33,13 @@ def _lens(model) -> Backend:
     return LensBackend(model)
 
 
+def _nnsight(model) -> Backend:
+    from probekit.core.backends.nnsight import NNsightBackend  # imports nnsight: lazily
+
+    return NNsightBackend(model)
+
+
 register_backend("lens", _lens)
+register_backend("nnsight", _nnsight)
 
 __all__ = ["BACKENDS", "Backend", "Edit", "make_backend", "register_backend"]

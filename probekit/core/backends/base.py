@@ -7,7 +7,8 @@ Two backends implement it over the same Hugging Face model:
 - ``lens`` (:mod:`probekit.core.backends.lens`): TransformerLens 4.x ``TransformerBridge``;
   every block call fires TransformerLens hook points (``blocks.{b}.hook_resid_post``,
   ``blocks.{b}.attn.hook_pattern``, ...), so user hooks see recurrent passes.
-- ``nnsight`` (a later addition): the same calls through nnsight traces.
+- ``nnsight`` (:mod:`probekit.core.backends.nnsight`): the same calls, each pass one nnsight
+  trace of the model's own forward; users intervene the nnsight way (docs/nnsight.md).
 
 Shapes: ``resid`` is ``[batch, pos, d_model]`` for the ``pos`` positions of the
 current chunk; ``positions`` holds their absolute (zero-based) indices, shared by
