@@ -136,6 +136,21 @@ def _jsonable(o):
     raise TypeError(f"not JSON serialisable: {type(o)}")
 
 
+def _check_identity(cfg_file: Path, ident: dict) -> bool:
+    """Whether ``cfg_file`` exists; ValueError if it is not JSON or holds another identity."""
+    if not cfg_file.exists():
+        return False
+    try:
+        old = json.loads(cfg_file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg_file} is not valid JSON ({e}); delete the run folder "
+                         f"or choose another --run-dir") from None
+    if json.loads(json.dumps(ident, default=str)) != old:
+        raise ValueError(f"{cfg_file.parent} holds a run with a different config or inputs; "
+                         f"choose another --run-dir or delete it")
+    return True
+
+
 class RunDir:
     """A run folder; use :meth:`open` to create or resume one."""
 
@@ -189,21 +204,16 @@ class RunDir:
         path = Path(path) if path else Path(root) / f"{command}-{config_hash(ident)}"
         if path.exists() and not path.is_dir():
             raise ValueError(f"--run-dir {path} is a file; give a folder")
-        path.mkdir(parents=True, exist_ok=True)
+        cfg_file = path / "config.json"
+        _check_identity(cfg_file, ident)  # bad input: refused before anything is written
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot create the run folder {path} ({e.strerror}); choose "
+                             f"another --run-dir") from None
         run = cls(path)
         run._lock()
-        cfg_file = path / "config.json"
-        if cfg_file.exists():
-            try:
-                old = json.loads(cfg_file.read_text())
-            except (ValueError, UnicodeDecodeError) as e:
-                raise ValueError(f"{cfg_file} is not valid JSON ({e}); delete the run folder "
-                                 f"or choose another --run-dir") from None
-            if json.loads(json.dumps(ident, default=str)) != old:
-                raise ValueError(
-                    f"{path} holds a run with a different config or inputs; choose another "
-                    f"--run-dir or delete it"
-                )
+        if _check_identity(cfg_file, ident):  # again: a run may have begun while we waited
             if fresh:
                 for p in (path / "parts").glob("*"):
                     p.unlink()
@@ -292,7 +302,8 @@ class RunDir:
             f.write(row + "\n")
 
     def load_part(self, key: str, *, keep_unit: bool = False) -> dict[str, np.ndarray]:
-        with np.load(self.part_path(key), allow_pickle=False) as z:
+        # our own handle: np.load leaks the one it opens when the zip is unreadable
+        with open(self.part_path(key), "rb") as f, np.load(f, allow_pickle=False) as z:
             part = {k: z[k] for k in z.files}
         if not keep_unit:
             part.pop("__unit__", None)

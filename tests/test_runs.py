@@ -140,32 +140,36 @@ def test_fresh_forgets_finished_parts(tmp_path):
 
 def test_a_second_run_waits_for_the_first_and_reuses_its_parts(tmp_path):
     """Two identical runs at once: the second blocks on the folder lock, then computes
-    nothing because every part is already there."""
+    nothing because every part is already there. Timing-free: the first run's units wait
+    for a go-file that is only created once the second has said it is waiting."""
+    go = tmp_path / "go"
     script = textwrap.dedent(f"""
-        import sys, time, json
+        import json, os, sys, time
         import numpy as np
         from probekit.runs import RunDir
         run = RunDir.open("cmd", {{"a": 1}}, path={str(tmp_path / "r")!r})
+        print("locked", flush=True)
         calls = []
         def compute(i):
-            calls.append(i); time.sleep(float(sys.argv[1])); return {{"x": np.array(i)}}
+            calls.append(i)
+            while sys.argv[1] == "first" and not os.path.exists({str(go)!r}):
+                time.sleep(0.02)
+            return {{"x": np.array(i)}}
         run.map([(f"u{{i}}", i) for i in range(3)], compute, progress=False)
         print(json.dumps(calls))
     """)
-    first = subprocess.Popen([sys.executable, "-c", script, "0.7"], stdout=subprocess.PIPE,
+    first = subprocess.Popen([sys.executable, "-c", script, "first"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
-    # wait until the first holds the lock (its pid is written into the lock file)
-    lock = tmp_path / "r" / ".lock"
-    for _ in range(200):
-        if lock.exists() and lock.read_text().strip():
-            break
-        subprocess.run([sys.executable, "-c", "import time; time.sleep(0.05)"])
-    second = subprocess.run([sys.executable, "-c", script, "0"], capture_output=True,
-                            text=True, timeout=120)
-    out1, err1 = first.communicate(timeout=120)
-    assert json.loads(out1) == [0, 1, 2]
-    assert json.loads(second.stdout) == []  # everything reused
-    assert "waiting for it to finish" in second.stderr
+    assert first.stdout.readline().strip() == "locked"
+    second = subprocess.Popen([sys.executable, "-c", script, "second"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    waiting = second.stderr.readline()  # blocks until the second reports the lock
+    assert "waiting for it to finish" in waiting
+    go.touch()
+    out1, _ = first.communicate(timeout=120)
+    out2, _ = second.communicate(timeout=120)
+    assert json.loads(out1.splitlines()[-1]) == [0, 1, 2]
+    assert out2.splitlines()[0] == "locked" and json.loads(out2.splitlines()[-1]) == []
 
 
 def test_warnings_are_clean_lines_in_the_cli(tmp_path, capsys):

@@ -34,8 +34,8 @@ class ModelFlags:
     """Which model, how it runs."""
 
     model: str = "smollm2-135m"
-    """smollm2-135m (default, offline), tiny / tiny-<n>, a local Hugging Face folder or
-    .gguf file, or a hub name when a hub is reachable"""
+    """smollm2-135m (default) or gemma3-270m (offline), tiny / tiny-<n> / tiny-<family>, a
+    local Hugging Face folder or .gguf file, or a hub name when a hub is reachable"""
     backend: Literal["lens", "nnsight"] = "lens"
     """execution backend"""
     threads: int | None = not_identity(None)
@@ -59,8 +59,14 @@ class RunFlags:
     """show progress bars (--no-progress hides them)"""
 
     def __post_init__(self) -> None:
-        if self.run_dir is not None and self.run_dir.exists() and not self.run_dir.is_dir():
+        if self.run_dir is None:
+            return
+        if self.run_dir.exists() and not self.run_dir.is_dir():
             raise UsageError(f"--run-dir {self.run_dir} is a file; give a folder")
+        # the folder is made later, with its parents: none of them may be a file
+        above = next((p for p in self.run_dir.parents if p.exists()), None)
+        if above is not None and not above.is_dir():
+            raise UsageError(f"--run-dir {self.run_dir}: {above} is a file; give a folder")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,10 +162,15 @@ class CorpusFlags:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1; "
                                  f"got {getattr(self, name)}")
 
-    def load(self, model, *, bos: bool = False):
-        """The windows (:func:`probekit.data.corpora.make_windows`) in ``model``'s tokens."""
+    def load(self, model, *, bos: bool | None = None):
+        """The windows (:func:`probekit.data.corpora.make_windows`) in ``model``'s tokens.
+        ``bos`` (default): start each window as the model's tokenizer starts a text, with
+        its BOS token (Gemma, which degrades badly without one) or without (SmolLM2, tiny)."""
         from probekit.data.corpora import load_corpus, make_windows
 
+        if bos is None:
+            tok = model.tokenizer
+            bos = tok.bos_token_id is not None and tok("a").input_ids[:1] == [tok.bos_token_id]
         docs = load_corpus(self.corpus, text_file=self.text_file)
         return make_windows(docs, model.tokenizer, self.window_tokens, self.windows, bos=bos,
                             max_tokens=model.n_ctx)

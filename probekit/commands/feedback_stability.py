@@ -31,6 +31,9 @@ class Config:
             raise UsageError(f"--checkpoint {self.checkpoint} is not a checkpoint folder (no "
                              f"config.json); give <run dir>/checkpoint of `probekit "
                              f"train-feedback`")
+        from probekit.training.checkpoint import check_checkpoint
+
+        check_checkpoint(self.checkpoint)  # a damaged file: one line, before any loading
         if self.passes < 1:
             raise UsageError(f"--passes must be >= 1; got {self.passes}")
         if self.windows < 1:

@@ -120,8 +120,15 @@ def save_checkpoint(folder: str | Path, *, gate: FeedbackGate, model, config: Tr
 
 
 # ------------------------------------------------------------------------- load
+#: config.json keys every consumer reads (``model`` and ``gate`` are objects)
+REQUIRED = {"mode": None, "step": None, "model": ("name", "content_hash", "d_model"),
+            "gate": ("d_model",)}
+DAMAGED = "the checkpoint is damaged: restore it or train it again"
+
+
 def read_checkpoint_config(path: str | Path) -> dict:
-    """The ``config.json`` of a checkpoint folder, checked to be one."""
+    """The ``config.json`` of a checkpoint folder, checked to be one with every key
+    consumers read (ValueError naming the file and what is wrong)."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -129,10 +136,52 @@ def read_checkpoint_config(path: str | Path) -> dict:
             f"no feedback checkpoint at {path}: expected a folder with config.json and "
             f"model.safetensors written by `probekit train-feedback`"
         )
-    cfg = json.loads(cfg_file.read_text())
-    if cfg.get("format") != FORMAT:
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg_file} is not valid JSON ({e}); {DAMAGED}") from None
+    if not isinstance(cfg, dict) or cfg.get("format") != FORMAT:
         raise ValueError(f"{cfg_file} is not a probekit feedback checkpoint (format {FORMAT!r})")
+    for key, inner in REQUIRED.items():
+        if key not in cfg or (inner and not isinstance(cfg[key], dict)):
+            raise ValueError(f"{cfg_file} lacks {key!r}; {DAMAGED}")
+        missing = [k for k in inner or () if k not in cfg[key]]
+        if missing:
+            raise ValueError(f"{cfg_file} lacks {key}.{missing[0]}; {DAMAGED}")
+    if cfg["mode"] not in ("gate", "organism"):
+        raise ValueError(f"{cfg_file} has mode {cfg['mode']!r}, not gate or organism; {DAMAGED}")
     return cfg
+
+
+def check_checkpoint(path: str | Path) -> dict:
+    """:func:`read_checkpoint_config`, then the cheap checks of the files a load reads,
+    without loading weights: each safetensors header is whole (a truncated or random file
+    fails here). ValueError names the damaged file."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    cfg = read_checkpoint_config(path)
+    weights = [path / "model.safetensors"]
+    if cfg["mode"] == "organism":
+        weights.append(path / "organism" / "model.safetensors")
+    for f in weights:
+        if not f.is_file():
+            raise ValueError(f"{f} is missing; {DAMAGED}")
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                st.keys()
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{f} is not a readable safetensors file ({e}); {DAMAGED}") from None
+    return cfg
+
+
+def _read_history(path: Path) -> list:
+    if not (path / "history.json").is_file():
+        return []
+    try:
+        return json.loads((path / "history.json").read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path / 'history.json'} is not valid JSON ({e}); {DAMAGED}") from None
 
 
 def check_model_matches(cfg: dict, model, path: Path) -> None:
@@ -160,6 +209,16 @@ def _gate_weights(path: Path) -> dict[str, Tensor]:
     return {k[len("gate."):]: v for k, v in weights.items() if k.startswith("gate.")}
 
 
+def _load_gate(gate: FeedbackGate, path: Path) -> None:
+    """The checkpoint's gate weights into ``gate`` (ValueError naming the file if they
+    are not a gate of this size)."""
+    try:
+        gate.load_state_dict(_gate_weights(path))
+    except RuntimeError as e:  # missing, unexpected or misshapen tensors
+        raise ValueError(f"{path / 'model.safetensors'} does not hold this checkpoint's gate "
+                         f"({str(e).splitlines()[0]}); {DAMAGED}") from None
+
+
 def load_checkpoint(path: str | Path, model=None) -> FeedbackCheckpoint:
     """Load a checkpoint folder.
 
@@ -169,12 +228,14 @@ def load_checkpoint(path: str | Path, model=None) -> FeedbackCheckpoint:
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
-        ValueError: the checkpoint belongs to a model of another ``d_model`` or weights.
+        ValueError: a damaged checkpoint (naming the file), or one that belongs to a model
+            of another ``d_model`` or weights.
     """
     from probekit.core.models import load_model
 
     path = Path(path)
-    cfg = read_checkpoint_config(path)
+    cfg = check_checkpoint(path)
+    history = _read_history(path)
     if model is None:
         if cfg["mode"] == "organism":
             model = load_model(str(path / "organism"))
@@ -183,12 +244,9 @@ def load_checkpoint(path: str | Path, model=None) -> FeedbackCheckpoint:
             model = load_model(cfg["model"]["name"])
     check_model_matches(cfg, model, path)
     gate = FeedbackGate(cfg["gate"]["d_model"])
-    gate.load_state_dict(_gate_weights(path))
+    _load_gate(gate, path)
     gate.eval()
     check_gate(gate, model)
-    history = []
-    if (path / "history.json").is_file():
-        history = json.loads((path / "history.json").read_text())
     return FeedbackCheckpoint(gate, model, cfg, path, history)
 
 
@@ -199,10 +257,11 @@ def restore_training(path: str | Path, *, gate: FeedbackGate, model, config: Tra
     from safetensors.torch import load_file
 
     path = Path(path)
-    cfg = read_checkpoint_config(path)
+    cfg = check_checkpoint(path)
     if cfg["mode"] != config.mode:
         raise ValueError(f"{path} holds a {cfg['mode']}-mode checkpoint, not {config.mode}")
-    gate.load_state_dict(_gate_weights(path))
+    history = _read_history(path)
+    _load_gate(gate, path)
     if config.mode == "organism":
         own = load_file(str(path / "organism" / "model.safetensors"))
         missing, unexpected = model.hf_model.load_state_dict(own, strict=False)
@@ -218,4 +277,4 @@ def restore_training(path: str | Path, *, gate: FeedbackGate, model, config: Tra
             state.setdefault(int(i), {})[k] = v
         optimizer.load_state_dict({"state": state,
                                    "param_groups": cfg["optimizer_param_groups"]})
-    return int(cfg["step"]), json.loads((path / "history.json").read_text())
+    return int(cfg["step"]), history
