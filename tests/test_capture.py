@@ -155,15 +155,16 @@ def test_depths_up_to_destination_plus_one_never_change(tiny_engine, mech):
 
 def test_pass_one_starts_from_the_mixed_destination(tiny_engine, mech):
     """pass_index=1: depths 0..d come from pass 0, depth d+1 is z'_d = mix(z_s, z_d)."""
-    from probekit.mechanisms.recirculation import mix
-
     ids = random_ids(2, 8, seed=5)
     p0 = capture_final(tiny_engine, mech, ids, FULL)
     p1 = capture_final(tiny_engine, mech, ids, FULL, pass_index=1)
     assert p1.pass_index == 1
     assert torch.allclose(p1.resid[:, :2], p0.resid[:, :2], atol=ATOL)
     z_s, z_d = p0.resid[:, 4], p0.resid[:, 2]  # outputs of blocks s=3 and d=1
-    expected = mix(z_s, z_d, torch.tensor(0.5), torch.tensor(0.5), "ratio")
+    # SEMANTICS.md, written out: z'_d = alpha f(z_s) + (1 - alpha) z_d, alpha = 0.5 (no ramp),
+    # f(z_s) = ||z_d|| / ||z_s|| * z_s
+    ratio = z_d.norm(dim=-1, keepdim=True) / z_s.norm(dim=-1, keepdim=True)
+    expected = 0.5 * ratio * z_s + 0.5 * z_d
     assert torch.allclose(p1.resid[:, 2], expected, atol=ATOL)
     assert torch.allclose(p1.readout_top, p0.resid[:, -1], atol=ATOL)  # logits: pass 0
     # no second pass at the final token under `none`: the state as of pass 1 is pass 0's

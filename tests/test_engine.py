@@ -297,7 +297,7 @@ def test_ramp_and_beta_coefficients():
 def test_user_hooks_see_the_second_pass(tiny_engine):
     s, d = 4, 1
     ids = random_ids(1, 9, seed=8)
-    rec = Recirculation(s, d, alpha=0.5)
+    rec = Recirculation(s, d, alpha=0.5, ramp=4)
     res, acts = tiny_engine.run_with_cache(
         ids, rec, names=[f"blocks.{s}.hook_resid_post", f"blocks.{d + 1}.hook_resid_pre"],
         pass_index=1)
@@ -305,10 +305,13 @@ def test_user_hooks_see_the_second_pass(tiny_engine):
     assert second_top.shape == (1, 9, tiny_engine.backend.d_model)
     _, first = tiny_engine.run_with_cache(ids, rec, names=[f"blocks.{s}.hook_resid_post",
                                                           f"blocks.{d}.hook_resid_post"])
-    # The second pass starts from z'_d = mix(z_s, z_d): recompute it from pass-0 values.
-    a, b = rec.coefficients(rec.paths[0], torch.arange(9))
-    z_mixed = mix(first[f"blocks.{s}.hook_resid_post"], first[f"blocks.{d}.hook_resid_post"],
-                  a, b, "ratio")
+    # The second pass starts from z'_d = alpha_t f(z_s) + beta_t z_d, written out from
+    # SEMANTICS.md with pass-0 values: f(z_s) = ||z_d|| / ||z_s|| * z_s; zero-based ramp
+    # alpha_t = min(t / 4, 1) * 0.5; convex beta_t = 1 - alpha_t.
+    z_s, z_d = first[f"blocks.{s}.hook_resid_post"], first[f"blocks.{d}.hook_resid_post"]
+    f = z_d.norm(dim=-1, keepdim=True) / z_s.norm(dim=-1, keepdim=True) * z_s
+    alpha = torch.tensor([min(t / 4, 1.0) * 0.5 for t in range(9)])[None, :, None]
+    z_mixed = alpha * f + (1 - alpha) * z_d
     assert torch.allclose(acts[f"blocks.{d + 1}.hook_resid_pre"], z_mixed, atol=1e-5)
     assert not torch.allclose(second_top, first[f"blocks.{s}.hook_resid_post"])
     # Blocks at or below d never run a second pass.
@@ -372,7 +375,7 @@ def test_bad_run_inputs_fail_before_any_state(tiny_engine):
         tiny_engine.run(ids, temperature=0)
     # A failed call leaves no hook behind and the engine idle.
     bad_hook = [("blocks.0.hook_resid_post", lambda x, hook=None: x * 0)]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="source block 9 is out of range"):
         tiny_engine.run(ids, Recirculation(9, 1), fwd_hooks=bad_hook)
     assert tiny_engine.state.pass_index == 0 and tiny_engine.state.positions is None
     ref_lp = tiny_engine.forward(ids).log_probs

@@ -93,6 +93,66 @@ def test_fast_complement_equals_slow_definition(tiny_engine, name):
     assert fast[..., 1:].abs().max() > 1e-3
 
 
+# Every recirculation configuration: norm ratio/none, convex and explicit beta, a ramp,
+# iterations 2, several paths (issue 9: fast == slow and lag 0 == 0 on all of them).
+CONFIGURATIONS = {
+    "ratio-convex": Recirculation(3, 1, alpha=0.5),
+    "none-convex": Recirculation(3, 1, alpha=0.4, norm="none"),
+    "ratio-explicit-beta": Recirculation(4, 2, alpha=0.4, beta=0.8),
+    "none-beta1": Recirculation(4, 0, alpha=0.3, beta=1.0, norm="none"),
+    "ramp": Recirculation(4, 1, alpha=0.6, ramp=5),
+    "iterations-2": Recirculation(3, 0, alpha=0.4, iterations=2),
+    "two-paths": Recirculation(paths=[RecirculationPath(4, 2, 0.3),
+                                      RecirculationPath(2, 0, 0.2, 1.0)]),
+    "two-paths-iterations-2-ramp-none": Recirculation(
+        paths=[RecirculationPath(4, 1, 0.5, 0.9), RecirculationPath(3, 2, 0.3)],
+        iterations=2, ramp=3, norm="none"),
+}
+CONFIG_POSITIONS = [0, 3, 6, 10]  # 0: the first position (alpha_0 = 0 under a ramp)
+CONFIG_K = 4
+
+
+@pytest.mark.parametrize("name", list(CONFIGURATIONS))
+def test_fast_equals_slow_and_lag_zero_is_zero_for_every_configuration(tiny_engine, name):
+    """Single-token and complementary benefit: the fast paths equal the definitions
+    (benefit_slow) and lag 0 is exactly zero in all four."""
+    rec = CONFIGURATIONS[name]
+    ids = random_ids(2, 16, seed=20)
+    args = (tiny_engine, ids, rec, CONFIG_POSITIONS, CONFIG_K)
+    fast, slow = lag.single_token_benefit(*args), lag.benefit_slow(*args)
+    comp_fast, comp_slow = lag.complement_benefit(*args), lag.benefit_slow(*args, complement=True)
+    for b in (fast, slow, comp_fast, comp_slow):
+        assert b.shape == (2, len(CONFIG_POSITIONS), CONFIG_K + 1)
+        assert torch.equal(b[..., 0], torch.zeros_like(b[..., 0]))
+    assert (fast - slow).abs().max() <= TOL
+    assert (comp_fast - comp_slow).abs().max() <= TOL
+    # not vacuous: recirculating t (alone, or on top of all others) moves later predictions
+    assert fast[:, 1:, 1:].abs().amin(dim=(0, 2)).gt(0).all()
+    assert fast[..., 1:].abs().max() > 1e-3 and comp_fast[..., 1:].abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", list(CONFIGURATIONS))
+def test_fast_paths_equal_the_independent_reference(tiny_model, tiny_engine, name):
+    """B(t, k) and C(t, k) from the definitions, on probekit.mechanisms.reference (plain HF
+    forwards written from SEMANTICS.md; no engine, no cache): B = only t recirculating minus
+    the plain model; C = all recirculating minus all but t."""
+    rec = CONFIGURATIONS[name]
+    ids = random_ids(1, 14, seed=21)
+    tokens, T, positions, K = ids[0].tolist(), ids.shape[1], [2, 7], 3
+    fast = lag.single_token_benefit(tiny_engine, ids, rec, positions, K)[0]
+    comp = lag.complement_benefit(tiny_engine, ids, rec, positions, K)[0]
+    plain = reference_recirculation(tiny_model, tokens, None)
+    everything = reference_recirculation(tiny_model, tokens, rec)
+    for i, t in enumerate(positions):
+        only_t = reference_recirculation(tiny_model, tokens, rec,
+                                         mask=[p == t for p in range(T)])
+        all_but_t = reference_recirculation(tiny_model, tokens, rec,
+                                            mask=[p != t for p in range(T)])
+        lags = slice(t, t + K + 1)
+        assert (fast[i] - (only_t - plain)[lags]).abs().max() <= TOL, t
+        assert (comp[i] - (everything - all_but_t)[lags]).abs().max() <= TOL, t
+
+
 def test_lag_input_validation(tiny_engine):
     rec = RECIRCULATIONS["paper-default"]
     ids = random_ids(1, 12)
@@ -219,7 +279,8 @@ def test_cli_lag_analysis_bad_input_is_one_line_exit_2(tmp_path, capsys):
                  "--run-dir", str(tmp_path / "x")])
     assert code == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("probekit lag-analysis: error: position 15 is out of range: with 20-token "
+    assert err == ("probekit lag-analysis: error: --positions: position 15 is out of range: "
+                   "with 20-token "
                    "windows and --max-lag 4, recirculated positions must lie in 0..14 "
                    "(t + max_lag + 1 must be a token of the window)")
     assert not (tmp_path / "x").exists()  # nothing written before validation passed

@@ -5,7 +5,6 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -72,6 +71,34 @@ def test_folds_never_split_a_group():
         assert np.bincount(y[test]).tolist() == [test.size // 2] * 2
 
 
+def leaky_groups(n_groups=40, size=4, noise_dims=16, seed=0):
+    """Each group with its own feature signature: feature ``g`` is ``+1`` for group ``g``'s
+    label-1 members, ``-1`` for its label-0 members and 0 for every other example. Within a
+    group it predicts the label perfectly; across groups it carries nothing (a test group's
+    feature is all zero in any training fold that holds none of its members). Labels are
+    balanced within every group, as in the task generators; the rest is noise."""
+    rng = np.random.default_rng(seed)
+    groups = np.repeat(np.arange(n_groups), size)
+    y = np.concatenate([rng.permutation([0, 1] * (size // 2)) for _ in range(n_groups)])
+    signature = np.zeros((y.size, n_groups))
+    signature[np.arange(y.size), groups] = 2 * y - 1
+    X = np.concatenate([signature, rng.normal(size=(y.size, noise_dims))], axis=1)
+    return X[:, None], y, groups  # one depth
+
+
+def test_group_signatures_do_not_leak_through_grouped_folds():
+    """SEMANTICS.md "Probing": no group is in both train and test, so a feature that only
+    identifies the group (and its label within the group) gives chance under grouped CV;
+    with every example its own group (ungrouped CV) the same data looks perfectly decodable
+    -- the leak grouped folds exist to stop."""
+    X, y, groups = leaky_groups()
+    grouped = DepthProbe().fit(X, y, groups)
+    assert grouped.chance_ == 0.5
+    assert grouped.accuracy_mean_[0] < 0.6
+    ungrouped = DepthProbe().fit(X, y, np.arange(y.size))
+    assert ungrouped.accuracy_mean_[0] > 0.9
+
+
 def test_folds_depend_on_the_seed_only():
     _, y, groups = toy(n_groups=30)
     same = [t.tolist() for _, t in grouped_folds(y, groups, seed=5)]
@@ -111,7 +138,7 @@ def test_init_only_stores_parameters_and_clones():
 
 def test_to_dict_needs_fit_and_is_json():
     probe = DepthProbe()
-    with pytest.raises(NotFittedError):
+    with pytest.raises(NotFittedError, match="This DepthProbe instance is not fitted yet"):
         probe.to_dict()
     X, y, groups = toy()
     out = json.loads(json.dumps(probe.fit(X, y, groups).to_dict()))
@@ -125,10 +152,10 @@ def test_without_standardisation_still_recovers_the_signal():
     assert (probe.accuracy_mean_[2:] > 0.9).all()
 
 
-def test_full_model_sized_probe_takes_seconds():
-    # SmolLM2-135M: 31 residual depths, d_model 576; ~256 examples.
+def test_full_model_sized_probe_recovers_the_signal():
+    # SmolLM2-135M: 31 residual depths, d_model 576; ~256 examples. How long it takes is
+    # benchmarks/bench_probing.py's to measure (a wall-clock bound here was flaky on a
+    # shared machine and proved nothing about the result).
     X, y, groups = toy(n_depths=31, d_model=576, strength=0.3)
-    start = time.perf_counter()
     probe = DepthProbe().fit(X.astype(np.float32), y, groups)
-    assert time.perf_counter() - start < 30
     assert (probe.accuracy_mean_[2:] > 0.9).all()

@@ -29,9 +29,20 @@ def random_ids(batch, seq, seed=0):
     return torch.randint(0, 256, (batch, seq), generator=g)
 
 
-def test_rowwise_rows_equal_one_cell_runs(tiny_engine):
+# The sweep's schemes as docs/commands/sweep.md defines them, written out here (not read
+# from probekit.analysis.sweep.SCHEMES): convex = ratio norm, beta = 1 - alpha; beta1 = ratio
+# norm, beta = 1; none = no norm, beta = 1 - alpha.
+SCHEME_FLAGS = {"convex": dict(norm="ratio", beta=None), "beta1": dict(norm="ratio", beta=1.0),
+                "none": dict(norm="none", beta=None)}
+
+
+def test_rowwise_rows_equal_one_cell_runs(tiny_model, tiny_engine):
     """Each batch row of a packed run equals that cell's own Recirculation run, across
-    destinations (rows whose destination is above the lowest one), schemes and a ramp."""
+    destinations (rows whose destination is above the lowest one), schemes and a ramp; and
+    the independent reference (probekit.mechanisms.reference) of the same recirculation."""
+    from probekit.mechanisms.recirculation import Recirculation
+    from probekit.mechanisms.reference import reference_recirculation
+
     ids = random_ids(2, 14)
     cells = [Cell(4, 2, 0.3, "convex"), Cell(2, 0, 0.5, "none"), Cell(3, 1, 0.2, "beta1"),
              Cell(4, 3, 0.4, "convex")]
@@ -39,9 +50,13 @@ def test_rowwise_rows_equal_one_cell_runs(tiny_engine):
     packed = tiny_engine.run(torch.cat([ids] * len(cells)), RowwiseRecirculation(rows)).log_probs
     plain = tiny_engine.forward(ids).log_probs
     for i, c in enumerate(cells):
-        alone = tiny_engine.run(ids, c.recirculation(ramp=3)).log_probs
+        rec = Recirculation(c.source, c.destination, c.alpha, ramp=3, **SCHEME_FLAGS[c.scheme])
+        alone = tiny_engine.run(ids, rec).log_probs
         assert (packed[2 * i : 2 * i + 2] - alone).abs().max() <= 1e-5
         assert (alone - plain).abs().max() > 1e-3  # each cell really recirculates
+        for r in range(2):
+            ref = reference_recirculation(tiny_model, ids[r].tolist(), rec)
+            assert (packed[2 * i + r] - ref).abs().max() <= 2e-5, (c, r)
 
 
 def test_rowwise_validation():
@@ -115,10 +130,10 @@ def test_sweep_resumes_to_the_same_numbers(tiny_engine, tmp_path):
 
     def stop_after_two(gi):  # killed while computing the third group
         if gi == 2:
-            raise Interrupt
+            raise Interrupt("killed while computing group 2")
 
     part = RunDir(tmp_path / "part")
-    with pytest.raises(Interrupt):
+    with pytest.raises(Interrupt, match="killed while computing group 2"):
         sweep.run_sweep(tiny_engine, windows, cells, part, on_group=stop_after_two, **kw)
     redone = []
     resumed = sweep.run_sweep(tiny_engine, windows, cells, part, on_group=redone.append, **kw)

@@ -76,7 +76,8 @@ def check_lag_inputs(input_ids: Tensor, positions: Sequence[int], max_lag: int) 
     return input_ids.long()
 
 
-def check_positions(positions: Sequence[int], window_tokens: int, max_lag: int) -> None:
+def check_positions(positions: Sequence[int], window_tokens: int, max_lag: int, *,
+                    flag: str = "--positions") -> None:
     """Every ``t`` must leave a full lag range in a ``window_tokens``-token window:
     ``t + max_lag + 1 <= T - 1`` (the prediction at ``t + K`` scores token ``t + K + 1``)."""
     if not isinstance(max_lag, int) or isinstance(max_lag, bool) or max_lag < 1:
@@ -89,11 +90,11 @@ def check_positions(positions: Sequence[int], window_tokens: int, max_lag: int) 
             f"lower --max-lag or raise --window-tokens"
         )
     if len(positions) == 0:
-        raise ValueError("no positions to recirculate: give at least one (--positions a:b)")
+        raise ValueError(f"no positions to recirculate: give at least one ({flag} a:b)")
     for t in positions:
         if not isinstance(t, int | np.integer) or not 0 <= t <= last:
             raise ValueError(
-                f"position {t} is out of range: with {T}-token windows and --max-lag "
+                f"{flag}: position {t} is out of range: with {T}-token windows and --max-lag "
                 f"{max_lag}, recirculated positions must lie in 0..{last} (t + max_lag + 1 "
                 f"must be a token of the window)"
             )

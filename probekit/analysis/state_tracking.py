@@ -51,6 +51,7 @@ from probekit.analysis.probing import DepthProbe
 from probekit.core.engine import StepEngine
 from probekit.mechanisms.prefill import Mechanism
 from probekit.mechanisms.regimes import Regime, plan
+from probekit.validation import check_fields
 from synthetic import TASKS, Dataset, label_token_ids, make_task
 
 #: Default examples per task: small enough that ``--recurrence full`` on the default model
@@ -100,6 +101,10 @@ class StateTrackingConfig:
     causal: bool = True
 
     def __post_init__(self) -> None:
+        check_fields(self, names={"n_examples": "--examples", "n_folds": "--folds",
+                                  "pass_index": "--pass"})
+        if self.seed < 0:
+            raise ValueError(f"--seed must be >= 0; got {self.seed}")
         tasks = tuple(self.tasks)
         if not tasks or any(t not in TASKS for t in tasks):
             raise ValueError(f"tasks must be among {sorted(TASKS)} (or 'all'); got {list(tasks)}")

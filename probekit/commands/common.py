@@ -20,6 +20,7 @@ from typing import Annotated, Literal
 import tyro
 
 from probekit.runs import not_identity
+from probekit.validation import check_fields
 
 #: Nest a flag group without a prefix: ``flags: Flat[ModelFlags] = ModelFlags()``.
 FLAT = tyro.conf.arg(name="")
@@ -42,6 +43,7 @@ class ModelFlags:
     """torch CPU threads (default: torch's choice)"""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.threads is not None and self.threads < 1:
             raise UsageError(f"--threads must be >= 1; got {self.threads}")
 
@@ -59,6 +61,7 @@ class RunFlags:
     """show progress bars (--no-progress hides them)"""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.run_dir is None:
             return
         if self.run_dir.exists() and not self.run_dir.is_dir():
@@ -89,6 +92,7 @@ class RecirculationFlags:
     """recurrent passes per position (1 is the paper's method)"""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         for name in ("source", "destination"):
             v = getattr(self, name)
             if v is not None and v < 0:
@@ -113,19 +117,19 @@ class RecirculationFlags:
         from probekit.mechanisms.recirculation import default_pair
 
         s, d = self.source, self.destination
-        if s is None or d is None:
-            ds, dd = default_pair(n_blocks)
-            if s is None and d is None:
-                s, d = ds, dd
-            elif s is None:
-                s = max(d + 1, ds) if d + 1 <= n_blocks - 1 else d + 1
-            else:
-                d = min(dd, s - 1)
-        for name, v in (("source", s), ("destination", d)):
-            if v > n_blocks - 1:
+        for name, v in (("source", s), ("destination", d)):  # the flags given come first
+            if v is not None and v > n_blocks - 1:
                 raise UsageError(f"--{name} {v} is out of range: this model has {n_blocks} "
                                  f"blocks, numbered 0..{n_blocks - 1}")
-        return s, d
+        if d is not None and s is None and d + 1 > n_blocks - 1:
+            raise UsageError(f"--destination {d} leaves no deeper block for the source on this "
+                             f"{n_blocks}-block model; give a smaller --destination")
+        ds, dd = default_pair(n_blocks)
+        if s is None and d is None:
+            return ds, dd
+        if s is None:
+            return max(d + 1, ds), d
+        return s, min(dd, s - 1) if d is None else d
 
     def build(self, n_blocks: int):
         """The :class:`probekit.Recirculation` these flags describe on an ``n_blocks`` model."""
@@ -152,6 +156,7 @@ class CorpusFlags:
     """windows per batch"""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.text_file is not None:
             if not self.text_file.exists():
                 raise UsageError(f"--text-file {self.text_file} does not exist")

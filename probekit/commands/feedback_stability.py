@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 from probekit.commands.common import FLAT, ModelFlags, RunFlags, UsageError, say, set_threads
+from probekit.validation import check_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,7 @@ class Config:
     run: Annotated[RunFlags, FLAT] = RunFlags()
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if not (self.checkpoint / "config.json").is_file():
             raise UsageError(f"--checkpoint {self.checkpoint} is not a checkpoint folder (no "
                              f"config.json); give <run dir>/checkpoint of `probekit "

@@ -11,6 +11,7 @@ import numpy as np
 
 from probekit.commands import common
 from probekit.commands.common import FLAT, CorpusFlags, ModelFlags, RecirculationFlags, RunFlags
+from probekit.validation import check_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Config:
     run: Annotated[RunFlags, FLAT] = RunFlags()
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.max_lag < 1:
             raise common.UsageError(f"--max-lag must be >= 1; got {self.max_lag}")
         if self.complement_positions and not self.complement:
@@ -58,7 +60,7 @@ class Config:
         T = self.corpus.window_tokens
         out = parse_positions(self.complement_positions, T, self.max_lag,
                               flag="--complement-positions")
-        check_positions(out, T, self.max_lag)
+        check_positions(out, T, self.max_lag, flag="--complement-positions")
         return out
 
 

@@ -17,6 +17,7 @@ from probekit.commands.common import (
     say,
     set_threads,
 )
+from probekit.validation import check_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,9 @@ class Config:
     run: Annotated[RunFlags, FLAT] = RunFlags()
 
     def __post_init__(self) -> None:
+        check_fields(self)
+        if self.seed < 0:
+            raise UsageError(f"--seed must be >= 0; got {self.seed}")
         if not 0 < self.temperature < float("inf"):
             raise UsageError(f"--temperature must be a finite number > 0; got {self.temperature}")
         if self.bootstrap < 1:

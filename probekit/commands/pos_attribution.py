@@ -13,6 +13,7 @@ from probekit.analysis.pos_attribution import DEFAULT_SELECTIVE
 from probekit.commands import common
 from probekit.commands.common import FLAT, CorpusFlags, ModelFlags, RecirculationFlags, RunFlags
 from probekit.runs import not_identity
+from probekit.validation import check_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,9 @@ class Config:
     run: Annotated[RunFlags, FLAT] = RunFlags()
 
     def __post_init__(self) -> None:
+        check_fields(self)
+        if self.seed < 0:
+            raise common.UsageError(f"--seed must be >= 0; got {self.seed}")
         if self.bootstrap < 1:
             raise common.UsageError(f"--bootstrap must be >= 1; got {self.bootstrap}")
         if not 0 < self.confidence < 1:

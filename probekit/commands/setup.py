@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from probekit.commands.common import say
+from probekit.commands.common import UsageError, say
+from probekit.validation import check_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,6 +16,11 @@ class Config:
 
     data_dir: Path | None = None
     """probekit data dir (default: $PROBEKIT_DATA_DIR or the platform's user data dir)"""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.data_dir is not None and self.data_dir.exists() and not self.data_dir.is_dir():
+            raise UsageError(f"--data-dir {self.data_dir} is a file; give a folder")
 
 
 def run(config: Config) -> int:

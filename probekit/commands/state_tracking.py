@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import tyro
 
 from probekit.commands.common import FLAT, ModelFlags, RecirculationFlags, RunFlags, UsageError
+from probekit.validation import check_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,9 @@ class Config:
     run: Annotated[RunFlags, FLAT] = RunFlags()
 
     def __post_init__(self) -> None:
+        check_fields(self, names={"pass_index": "--pass"})
+        if self.seed < 0:
+            raise UsageError(f"--seed must be >= 0; got {self.seed}")
         from probekit.mechanisms.prefill import mechanism_class
 
         try:

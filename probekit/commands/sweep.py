@@ -7,6 +7,7 @@ import dataclasses
 from typing import Annotated, Literal
 
 from probekit.commands.common import FLAT, CorpusFlags, ModelFlags, RunFlags, UsageError
+from probekit.validation import check_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Config:
     run: Annotated[RunFlags, FLAT] = RunFlags()
 
     def __post_init__(self) -> None:
+        check_fields(self)
         from probekit.analysis.pairs import parse_pair, parse_range
 
         if self.pairs == "list" and not self.pair_list:

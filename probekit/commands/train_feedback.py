@@ -10,6 +10,7 @@ from typing import Annotated
 
 from probekit.commands.common import FLAT, ModelFlags, RunFlags, UsageError, say, set_threads
 from probekit.training.config import DataConfig, OrganismConfig, TrainConfig
+from probekit.validation import check_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +25,7 @@ class Config:
     run: Annotated[RunFlags, FLAT] = RunFlags()
 
     def __post_init__(self) -> None:
+        check_fields(self)
         train = self.train.resolved()
         if train.mode == "organism" and self.data.n_examples < train.batch_size:
             raise UsageError(f"--n-examples must be >= --batch-size ({train.batch_size}); "

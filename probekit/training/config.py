@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 from probekit.runs import not_identity
+from probekit.validation import check_fields
 
 MODES = ("gate", "organism")
 #: Defaults that differ by mode: a gate on a frozen pretrained model learns from few,
@@ -67,6 +68,7 @@ class TrainConfig:
     """seeds initialisation, data order, pass counts, mixin and jitter"""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.mode not in MODES:
             raise ValueError(f"--mode must be one of {MODES}; got {self.mode!r}")
         object.__setattr__(self, "schedule", tuple(float(p) for p in self.schedule))
@@ -102,7 +104,7 @@ def _validate(c: TrainConfig) -> None:
             raise ValueError(f"--{_flag(name)} must be an integer >= 0; got {v!r}")
     if c.seq_len < 2:
         raise ValueError(f"--seq-len must be >= 2 (one next-token target); got {c.seq_len}")
-    if not c.schedule or any(p < 0 for p in c.schedule) or abs(sum(c.schedule) - 1) > 1e-6:
+    if not c.schedule or not all(p >= 0 for p in c.schedule) or abs(sum(c.schedule) - 1) > 1e-6:
         raise ValueError(
             f"--schedule must be probabilities of 1, 2, 3, ... passes summing to 1 "
             f"(e.g. 0.75 0.22 0.03); got {' '.join(map(str, c.schedule))}"
@@ -110,7 +112,7 @@ def _validate(c: TrainConfig) -> None:
     if not c.lr > 0:
         raise ValueError(f"--lr must be > 0; got {c.lr}")
     for name in ("lam", "weight_decay", "grad_clip", "jitter"):
-        if getattr(c, name) < 0:
+        if not getattr(c, name) >= 0:  # NaN too
             raise ValueError(f"--{_flag(name)} must be >= 0; got {getattr(c, name)}")
     if not c.answer_weight > 0:
         raise ValueError(f"--answer-weight must be > 0; got {c.answer_weight}")
@@ -138,6 +140,7 @@ class OrganismConfig:
     """organism context length (the 468-token overwrite sweep fits in 512)"""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         for name, v in asdict(self).items():
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} (organism shape) must be a "
@@ -159,6 +162,7 @@ class DataConfig:
     """organism training examples"""
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.n_windows < 1:
             raise ValueError(f"--n-windows must be >= 1; got {self.n_windows}")
         if not self.tasks:
