@@ -73,6 +73,7 @@ def one_line_warnings():
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("MPLBACKEND", "Agg")  # figures go to files; no display needed
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2

@@ -1,1 +1,2 @@
-"""Figures: one module per analysis (matplotlib, Agg backend)."""
+"""Figures: one module per analysis (matplotlib). The plots never choose a backend: the
+command line uses Agg (probekit.commands.main), notebooks keep their inline one."""

@@ -15,9 +15,6 @@ def plot_lag_analysis(single: dict, complement: dict | None, title: str):
     curve with +-2 standard errors on a linear scale (what a log axis cannot show: the
     sign and the noise), (c) the ``(t, k)`` map, (d) the per-position effect with
     ``t < 10`` shaded. The complementary curve is drawn beside the single-token one."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import TwoSlopeNorm
 

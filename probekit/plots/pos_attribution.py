@@ -15,9 +15,6 @@ def plot_tag_changes(rows: Sequence[dict], title: str, *, min_tokens: int = 20):
     """Bar plot of Part 1: tags sorted by % change, bootstrap intervals as error bars.
     Tags with fewer than ``min_tokens`` predicted tokens are named under the plot but not
     drawn (a handful of tokens gives a huge, meaningless bar)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     everything = next((r for r in rows if r["tag"] == "all"), None)
@@ -49,9 +46,6 @@ def plot_tag_changes(rows: Sequence[dict], title: str, *, min_tokens: int = 20):
 def plot_selective(rows: Sequence[dict], title: str):
     """Bar plot of Part 2, as paper Fig. C.3: blue = the tag's positions recirculated,
     grey = a count-matched random set; bootstrap intervals as error bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(rows) + 1.5), 3.8))

@@ -11,9 +11,6 @@ import numpy as np
 def plot_stability(curves: dict[str, Any], title: str = ""):
     """Loss of pass k, relative state update and (if measured) label accuracy against k;
     ``curves`` as :func:`probekit.analysis.stability.stability_curves` returns them."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     k = np.array(curves["passes"])

@@ -13,9 +13,6 @@ def plot_state_tracking(results: dict[str, Any], task: str):
     a row per dataset (sweep condition); probe accuracy per depth (+-1 std over folds,
     dashed chance line), then, if patching ran, the flip rate and the mean logit shift
     toward the partner's label per patched depth (+-1 standard error)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     entries = [e for e in results["datasets"].values() if e["task"] == task]

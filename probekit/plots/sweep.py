@@ -10,9 +10,6 @@ from probekit.analysis.sweep import SCHEMES
 
 
 def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt

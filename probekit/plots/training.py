@@ -7,9 +7,6 @@ def plot_history(history: list[dict], title: str = ""):
     """Training loss per pass (EMA over the batches that ran that pass) and validation
     loss per Jacobi pass, against the step; ``history`` as :func:`probekit.training.train.
     train` returns it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
