@@ -1,6 +1,7 @@
-"""Engine speed on the default model, as ratios measured in one run.
+"""Engine speed on a real model (default SmolLM2-135M), as ratios measured in one run.
 
     .venv/bin/python benchmarks/bench_engine.py [--tokens 256] [--batches 1 8] [--big-batch 32]
+    .venv/bin/python benchmarks/bench_engine.py --model gemma3-270m [--tokens 64]
     .venv/bin/python benchmarks/bench_engine.py --backend nnsight [--tokens 64] [--batches 1]
 
 (a) the engine with no recurrence vs Hugging Face's own cached decoding loop
@@ -38,7 +39,8 @@ import torch
 from transformers import DynamicCache
 
 from probekit import Recirculation, StepEngine, load_model
-from probekit.mechanisms.recirculation import mix
+from probekit.core.architecture import layout
+from probekit.mechanisms.recirculation import default_pair, mix
 
 CLOCK = time.process_time
 
@@ -76,10 +78,10 @@ def naive_prefix_step(hf, ids, t, stored, s, d, alpha):
     def at_s(mod, args, out):
         grabbed["s"] = (out[0] if isinstance(out, tuple) else out)[:, t].clone()
 
-    hs = [hf.model.layers[d].register_forward_hook(at_d),
-          hf.model.layers[s].register_forward_hook(at_s)]
-    try:
-        hf(ids[:, : t + 1], use_cache=False)
+    layers = layout(hf).layers
+    hs = [layers[d].register_forward_hook(at_d), layers[s].register_forward_hook(at_s)]
+    try:  # the readout of position t only: the other rows of the logits are never needed
+        hf(ids[:, : t + 1], use_cache=False, logits_to_keep=1)
     finally:
         for h in hs:
             h.remove()
@@ -89,11 +91,11 @@ def naive_prefix_step(hf, ids, t, stored, s, d, alpha):
 
 def bench_nnsight(engine, hf, rec, args) -> None:
     """Step cost of the nnsight backend as ratios to the lens backend and to HF decode."""
-    nn = StepEngine(load_model(), backend="nnsight")
+    nn = StepEngine(load_model(args.model), backend="nnsight")
     T = args.tokens
     g = torch.Generator().manual_seed(0)
     for B in args.batches:
-        ids = torch.randint(0, 49152, (B, T), generator=g)
+        ids = torch.randint(0, hf.config.vocab_size, (B, T), generator=g)
         t = best_of({
             "hf": lambda: hf_decode(hf, ids),
             "lens": lambda: engine.run(ids),
@@ -115,8 +117,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--big-batch", type=int, default=32)
-    ap.add_argument("--source", type=int, default=20)
-    ap.add_argument("--destination", type=int, default=10)
+    ap.add_argument("--model", default="smollm2-135m", help="smollm2-135m or gemma3-270m")
+    ap.add_argument("--source", type=int, default=None, help="default: the model's rule pair")
+    ap.add_argument("--destination", type=int, default=None)
     ap.add_argument("--alpha", type=float, default=0.1)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
@@ -127,12 +130,15 @@ def main() -> None:
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
-    T, s, d = args.tokens, args.source, args.destination
-    engine = StepEngine(load_model())
-    hf = load_model().hf_model  # a second copy that TransformerLens never touched
+    engine = StepEngine(load_model(args.model))
+    hf = load_model(args.model).hf_model  # a second copy that TransformerLens never touched
     L = engine.n_blocks
+    T = args.tokens
+    rule_s, rule_d = default_pair(L)
+    s = rule_s if args.source is None else args.source
+    d = rule_d if args.destination is None else args.destination
     rec = Recirculation(s, d, args.alpha)
-    print(f"SmolLM2-135M, {L} blocks, {T} tokens, s={s} d={d} alpha={args.alpha}, "
+    print(f"{args.model}, {L} blocks, {T} tokens, s={s} d={d} alpha={args.alpha}, "
           f"torch threads {torch.get_num_threads()}, {args.clock} time, best of {args.repeats}")
     if args.backend == "nnsight":
         bench_nnsight(engine, hf, rec, args)
@@ -140,7 +146,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     rows = []
     for B in args.batches:
-        ids = torch.randint(0, 49152, (B, T), generator=g)
+        ids = torch.randint(0, hf.config.vocab_size, (B, T), generator=g)
         t = best_of({
             "hf": lambda: hf_decode(hf, ids),
             "engine": lambda: engine.run(ids),
@@ -170,7 +176,7 @@ def main() -> None:
               f"recirculated engine ({t['recirc']:.1f} s) = {naive_total / t['recirc']:.1f}x "
               f"(target >= 10x)")
     B = args.big_batch
-    ids = torch.randint(0, 49152, (B, T), generator=g)
+    ids = torch.randint(0, hf.config.vocab_size, (B, T), generator=g)
     one = next((r for r in rows if r[0] == 1), None)
     t_big = best_of({"recirc": lambda: engine.run(ids, rec)}, 1)["recirc"]
     t_one = one[1]["recirc"] if one else best_of({"r": lambda: engine.run(ids[:1], rec)}, 1)["r"]

@@ -22,6 +22,7 @@ recomputed, with a one-line warning.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import json
@@ -45,6 +46,12 @@ U = TypeVar("U")
 
 # Run folders this process has locked (path -> open lock file), held until it exits.
 _HELD: dict[str, Any] = {}
+
+
+@atexit.register
+def _release() -> None:
+    for f in _HELD.values():
+        f.close()
 
 PACKAGES = ("probekit-recurrence", "torch", "transformers", "transformer-lens", "nnsight",
             "numpy", "scikit-learn", "nltk", "gensim")

@@ -56,6 +56,9 @@ __all__ = ["EngineState", "Recurrence", "Rerun", "RunResult", "Step", "StepEngin
            "chunk_bounds", "score", "target_log_probs"]
 
 
+READ_BUDGET = 1 << 26  # logits unembedded at once when they are only scored (256 MB)
+
+
 @dataclass
 class EngineState:
     """Readable from inside hooks: where the engine is right now."""
@@ -282,10 +285,15 @@ class StepEngine:
         return out
 
     def _read(self, top, ids, lengths, c0, c1, temperature, log_probs, logits_out) -> None:
-        logits = self.backend.unembed(top)
-        score_chunk(logits, ids, lengths, c0, c1, temperature, log_probs)
-        if logits_out is not None:
-            logits_out[:, c0:c1] = logits
+        # Unembed at most READ_BUDGET logits at a time (a 262k vocabulary makes a whole
+        # chunk's [batch, pos, vocab] logits gigabytes); every position is scored alone.
+        step = c1 - c0 if logits_out is not None else max(
+            1, min(c1 - c0, READ_BUDGET // (top.shape[0] * self.backend.vocab_size)))
+        for a in range(c0, c1, step):
+            logits = self.backend.unembed(top[:, a - c0 : a - c0 + step])
+            score_chunk(logits, ids, lengths, a, min(c1, a + step), temperature, log_probs)
+            if logits_out is not None:
+                logits_out[:, c0:c1] = logits
 
     # ------------------------------------------------------- public operations
     # What analyses and mechanisms need below the level of a whole run; nothing outside

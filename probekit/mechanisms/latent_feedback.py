@@ -58,6 +58,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from probekit.core.architecture import layout
 from probekit.core.engine import Recurrence, Rerun, RunResult, Step, StepEngine
 from probekit.mechanisms.regimes import Regime, plan
 
@@ -137,8 +138,9 @@ class FeedbackGate(nn.Module):
 
 
 def final_norm(model) -> nn.Module:
-    """The model's final norm (Llama family: ``model.model.norm``): ``h`` is read after it."""
-    return model.hf_model.model.norm
+    """The model's final norm (``model.model.norm`` in Llama, ``transformer.ln_f`` in GPT-2;
+    :func:`probekit.core.architecture.layout`): ``h`` is read after it."""
+    return layout(model.hf_model).final_norm
 
 
 def check_gate(gate: FeedbackGate, model) -> None:

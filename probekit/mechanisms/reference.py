@@ -21,6 +21,17 @@ Every pass of every chunk re-runs the whole prefix ``x[:c1]`` through the plain
 Hugging Face forward, with forward hooks that overwrite each block's output at the
 processed positions (``< c0``) with those stored residuals; every block then recomputes
 exactly the kept keys/values of the processed positions, and the chunk attends to them.
+Hugging Face's forward also supplies everything architecture-specific (sliding-window
+masks, per-layer-type rotary tables, absolute position embeddings), so the reference
+runs every family the engine does; the blocks are found with
+:func:`probekit.core.architecture.layout`. Logits are computed for the chunk's
+positions only (``logits_to_keep``) and read from the first pass only: a 262k-token
+vocabulary (Gemma 3) makes a ``[seq, vocab]`` logit tensor per pass the largest cost
+otherwise.
+
+A Peri-LN block (Gemma 3) normalises inside its residual branches, so "the output of
+block ``b``" is still simply what its decoder layer returns (SEMANTICS.md); the hooks
+read and overwrite exactly that.
 
 Choices SEMANTICS.md leaves to the implementation, as ``probekit.mechanisms.recirculation``
 documents them: several paths run in one recurrent pass starting above the lowest
@@ -37,6 +48,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+
+from probekit.core.architecture import layout
 
 Force = Callable[[int, Tensor], Tensor]  # (block, chunk output [pos, D]) -> forced output
 
@@ -70,7 +83,7 @@ def _forward(hf, x: Tensor, c0: int, stored: list[Tensor], force: Force
     Returns the chunk's logits ``[pos, vocab]`` and its raw (unforced) outputs per block."""
     raw: list[Tensor] = []
     handles = []
-    for b, layer in enumerate(hf.model.layers):
+    for b, layer in enumerate(layout(hf).layers):
         def hook(module, args, out, b=b):
             h = out[0] if isinstance(out, tuple) else out
             raw.append(h[0, c0:].clone())
@@ -80,7 +93,9 @@ def _forward(hf, x: Tensor, c0: int, stored: list[Tensor], force: Force
             return (h, *out[1:]) if isinstance(out, tuple) else h
         handles.append(layer.register_forward_hook(hook))
     try:
-        logits = hf(x, use_cache=False).logits[0, c0:]
+        n = x.shape[1] - c0  # 0 for an empty chunk, where logits_to_keep=0 would mean all
+        logits = hf(x, use_cache=False, logits_to_keep=max(n, 1)).logits[0]
+        logits = logits[logits.shape[0] - n:]
     finally:
         for handle in handles:
             handle.remove()
