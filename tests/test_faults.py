@@ -448,8 +448,6 @@ def test_a_run_dir_that_cannot_be_created_is_one_line(work):
                                 "another --run-dir"]
 
 
-@pytest.mark.xfail(strict=True, raises=Exception, reason="open: core/models.py lets the "
-                   "SafetensorError of a damaged local model folder through as a traceback")
 def test_a_local_model_folder_with_truncated_weights_is_one_line(work):
     from probekit.core.models import load_model
 

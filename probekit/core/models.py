@@ -177,13 +177,34 @@ def load_model(
 
 
 def _load_local(path: Path, dtype: torch.dtype):
-    if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, dtype)
-    if path.is_dir() and (path / "config.json").is_file():
-        return load_folder(path, dtype)
+    try:
+        if path.is_file() and path.suffix == ".gguf":
+            return load_gguf(path, dtype)
+        if path.is_dir() and (path / "config.json").is_file():
+            return load_folder(path, dtype)
+    except ModelNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - loaders raise their own types (SafetensorError)
+        # a damaged file in the user's own folder: say which, not a loader traceback
+        damaged = next((p for p in sorted(path.glob("*.safetensors")) if _unreadable(p)), path)
+        raise ValueError(f"--model {path}: cannot load {damaged} ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:120]}); check or replace that file") from None
     raise ModelNotFoundError(
         f"{path} is neither a Hugging Face model folder (no config.json in it) nor a .gguf file"
     )
+
+
+def _unreadable(path: Path) -> bool:
+    """True if ``path`` (a safetensors file) has a header that does not cover its size."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                f.get_slice(key)
+        return False
+    except Exception:  # any failure to read it counts as damaged
+        return True
 
 
 def _load_hub(name: str, dtype: torch.dtype):

