@@ -61,3 +61,9 @@ def test_path_numbers_are_checked_at_construction(kw, message):
 def test_bool_is_not_an_integer_option(name):
     with pytest.raises(ValueError, match=rf"{name} must be an integer"):
         Recirculation(3, 1, 0.1, **{name: True})
+
+
+def test_an_unknown_hook_name_is_one_clear_error(tiny_engine):
+    with pytest.raises(ValueError, match=r"unknown hook 'blocks\.1\.hook_resid_prex': "
+                                         r"TransformerLens names look like"):
+        tiny_engine.run([[1, 2, 3]], fwd_hooks=[("blocks.1.hook_resid_prex", lambda a, hook: a)])

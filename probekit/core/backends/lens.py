@@ -185,7 +185,13 @@ class LensBackend(Backend):
 
     @contextmanager
     def hooks(self, fwd_hooks: Iterable[tuple[Any, Callable]]):
-        with self.bridge.hooks(fwd_hooks=list(fwd_hooks)):
+        fwd_hooks = list(fwd_hooks)
+        for name, _ in fwd_hooks:
+            if isinstance(name, str) and name not in self.bridge.hook_dict:
+                raise ValueError(
+                    f"unknown hook {name!r}: TransformerLens names look like "
+                    f"blocks.{{b}}.hook_resid_post with b in 0..{self.n_blocks - 1}")
+        with self.bridge.hooks(fwd_hooks=fwd_hooks):
             self._use_fast = self._fast is not None and not self._any_hook()
             try:
                 yield
