@@ -47,7 +47,7 @@ from probekit.analysis.causal import (
     patched_label_logits,
     readout_logits,
 )
-from probekit.analysis.probing import DepthProbe
+from probekit.analysis.probing import DepthProbe, grouped_folds
 from probekit.core.engine import StepEngine
 from probekit.mechanisms.prefill import Mechanism
 from probekit.mechanisms.regimes import Regime, plan
@@ -221,7 +221,9 @@ def state_tracking_units(mechanism: Mechanism, config: StateTrackingConfig,
                          data: Sequence[TaskData]) -> list[tuple[str, Unit]]:
     """``[(key, unit), ...]`` for every dataset, regime and batch, keys like
     ``"completion.last-2.000"``. Raises ValueError, before anything runs, if a regime does
-    not suit the mechanism or the prompts (:func:`probekit.mechanisms.regimes.plan`)."""
+    not suit the mechanism or the prompts (:func:`probekit.mechanisms.regimes.plan`), or a
+    dataset cannot fill the probes' grouped folds (:func:`check_folds`)."""
+    check_folds(config, data)
     units = []
     for td in data:
         partners = partner_index(td.dataset.pairs)
@@ -235,6 +237,22 @@ def state_tracking_units(mechanism: Mechanism, config: StateTrackingConfig,
                 local = np.array([where.get(int(partners[i]), -1) for i in idx])
                 units.append((f"{td.key}.{regime}.{b:03d}", Unit(td, regime, idx, local)))
     return units
+
+
+def check_folds(config: StateTrackingConfig, data: Sequence[TaskData]) -> None:
+    """ValueError unless every dataset splits into ``n_folds`` grouped folds: checked before
+    anything runs, since the probes that need them are fitted only after all compute."""
+    given = f"--examples {config.n_examples}" if config.n_examples else "the default --examples"
+    for td in data:
+        n_groups = np.unique(td.dataset.groups).size
+        try:
+            grouped_folds(td.dataset.labels, td.dataset.groups, config.n_folds, config.seed)
+        except ValueError:
+            short = (f"fewer than --folds {config.n_folds}" if n_groups < config.n_folds else
+                     f"too few to fill --folds {config.n_folds} test folds")
+            raise ValueError(f"{td.title}: {len(td.dataset)} examples ({given}) form "
+                             f"{n_groups} groups, {short}; give more --examples or fewer "
+                             f"--folds") from None
 
 
 def compute_unit(engine: StepEngine, mechanism: Mechanism, config: StateTrackingConfig,

@@ -133,26 +133,6 @@ def latent_feedback_mechanism(checkpoint: Path, model_name: str):
                                                checkpoint=str(ckpt.path), step=ckpt.step)
 
 
-def check_folds(st, data) -> None:
-    """Every dataset must split into ``--folds`` grouped folds; checked here, before the run
-    dir, since the probes that need them are fitted only after all compute."""
-    import numpy as np
-
-    from probekit.analysis.probing import grouped_folds
-
-    given = f"--examples {st.n_examples}" if st.n_examples else "the default --examples"
-    for td in data:
-        n_groups = np.unique(td.dataset.groups).size
-        try:
-            grouped_folds(td.dataset.labels, td.dataset.groups, st.n_folds, st.seed)
-        except ValueError:
-            short = (f"fewer than --folds {st.n_folds}" if n_groups < st.n_folds else
-                     f"too few to fill --folds {st.n_folds} test folds")
-            raise UsageError(f"{td.title}: {len(td.dataset)} examples ({given}) form "
-                             f"{n_groups} groups, {short}; give more --examples or fewer "
-                             f"--folds") from None
-
-
 def run(config: Config) -> int:
     import time
     from functools import partial
@@ -178,7 +158,6 @@ def run(config: Config) -> int:
         model, mechanism = load_recirculation(config)
     mechanism.check(model.n_blocks)
     data = build_datasets(st, model.tokenizer)
-    check_folds(st, data)
     units = state_tracking_units(mechanism, st, data)  # every check before the run dir
     engine = StepEngine(model, config.model.backend)
     run_dir = RunDir.open("state-tracking", config, model=model,
