@@ -35,7 +35,9 @@ def main(before: str, after: str) -> int:
     for f in sorted(Path(before).glob("*.json")):
         g = Path(after) / f.name
         if not g.exists():
-            print(f"{f.name}: missing after"); bad += 1; continue
+            print(f"{f.name}: missing after")
+            bad += 1
+            continue
         diffs: list[str] = []
         walk(json.loads(f.read_text()), json.loads(g.read_text()), "", diffs)
         print(f"{f.name}: {'identical' if not diffs else f'{len(diffs)} differences'}")
