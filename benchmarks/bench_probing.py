@@ -16,7 +16,9 @@ tests.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -24,15 +26,13 @@ from probekit.analysis.probing import DepthProbe
 
 
 def toy(n_groups: int, n_depths: int, d_model: int, strength: float = 0.3, seed: int = 0):
-    """As tests/test_probing.py: depth 0 identical features, depth 1 noise, deeper
-    depths noise plus a planted signal along one random direction."""
-    rng = np.random.default_rng(seed)
-    y = np.tile([0, 1, 1, 0], n_groups)
-    groups = np.repeat(np.arange(n_groups), 4)
-    X = rng.normal(size=(y.size, n_depths, d_model))
-    X[:, 0] = rng.normal(size=d_model)
-    direction = rng.normal(size=d_model) / np.sqrt(d_model)
-    X[:, 2:] += strength * (2 * y - 1)[:, None, None] * direction * np.sqrt(d_model)
+    """The planted-signal data of tests/test_probing.py (loaded from there, one definition),
+    in float32 like captured residuals."""
+    spec = importlib.util.spec_from_file_location(
+        "test_probing", Path(__file__).resolve().parents[1] / "tests" / "test_probing.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    X, y, groups = module.toy(n_groups, n_depths, d_model, strength, seed)
     return X.astype(np.float32), y, groups
 
 

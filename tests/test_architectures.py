@@ -9,6 +9,7 @@ path), and the per-architecture module paths resolve.
 import pytest
 import torch
 import transformers
+from engine_helpers import random_ids
 
 from probekit.core import architecture
 from probekit.core.backends.lens import LensBackend
@@ -27,11 +28,6 @@ CASES = [
     dict(paths=[RecirculationPath(3, 2, 0.3, 1.0), RecirculationPath(2, 0, 0.2)],
          iterations=2, ramp=3, norm="none"),
 ]
-
-
-def random_ids(batch, seq, seed=0, vocab=256):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, seq), generator=g)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

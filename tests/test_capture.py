@@ -12,6 +12,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import numpy as np
 import pytest
 import torch
+from engine_helpers import random_ids
 
 from probekit.analysis.capture import capture_final, depth_hook_names
 from probekit.analysis.causal import (
@@ -35,11 +36,6 @@ torch.set_num_threads(1)
 ATOL = 2e-5
 L = 5  # tiny-5 (conftest)
 NONE, FULL = Regime("none"), Regime("full")
-
-
-def random_ids(batch, seq, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (batch, seq), generator=g)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import torch
+from engine_helpers import check_fast_path_equals_bridge, hf_log_probs, random_ids
 
 from probekit.core.engine import StepEngine
 from probekit.core.kv_cache import KVCache
@@ -14,18 +15,6 @@ from probekit.mechanisms.recirculation import Recirculation, RecirculationPath, 
 from probekit.mechanisms.reference import reference_recirculation
 
 ATOL = 2e-5  # float32: the cached and uncached paths sum in different orders
-
-
-def random_ids(batch, seq, seed=0, vocab=256):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, seq), generator=g)
-
-
-def hf_log_probs(model, ids):
-    with torch.no_grad():
-        logits = model.hf_model(ids).logits
-    lp = torch.log_softmax(logits[:, :-1], -1)
-    return lp.gather(-1, ids[:, 1:, None])[..., 0], logits
 
 
 # ------------------------------------------------------------ plain model equality
@@ -420,22 +409,9 @@ def test_default_model_engine_equals_reference(default_model, default_engine):
 def test_fast_block_path_equals_the_bridge(tiny_model, tiny_engine, monkeypatch):
     """Without hooks, blocks run probekit.core.backends.llama_block on the bridge's weights; it must
     equal the bridge's own computation, and hooks must switch it off."""
-    from probekit.core.backends import lens as lens_backend
     from probekit.core.backends.lens import LensBackend
 
     bridge_engine = StepEngine(tiny_model, LensBackend(tiny_model, fast=False))
-    ids = random_ids(2, 12, seed=11)
-    rec = Recirculation(4, 1, alpha=0.5, iterations=2)
-    calls = []
-    real = lens_backend.llama_block
-    monkeypatch.setattr(lens_backend, "llama_block", lambda *a: calls.append(1) or real(*a))
-    for block_size in (1, 5):
-        fast = tiny_engine.run(ids, rec, block_size=block_size, return_logits=True)
-        assert calls, "the fast path was not used"
-        slow = bridge_engine.run(ids, rec, block_size=block_size, return_logits=True)
-        assert torch.allclose(fast.logits, slow.logits, atol=ATOL)
-    calls.clear()
-    fired = []
-    tiny_engine.run(ids, rec, fwd_hooks=[("blocks.2.hook_resid_post",
-                                          lambda x, hook=None: fired.append(1) or x)])
-    assert fired and not calls  # a hook anywhere -> every block through the bridge
+    check_fast_path_equals_bridge(tiny_engine, bridge_engine, monkeypatch, "llama_block",
+                                  random_ids(2, 12, seed=11),
+                                  Recirculation(4, 1, alpha=0.5, iterations=2), 2, ATOL)

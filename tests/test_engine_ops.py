@@ -6,16 +6,12 @@
 
 import pytest
 import torch
+from engine_helpers import random_ids
 
 from probekit.core.kv_cache import KVCache
 from probekit.mechanisms.recirculation import Recirculation
 
 ATOL = 2e-5
-
-
-def random_ids(batch, seq, seed=0, vocab=256):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, seq), generator=g)
 
 
 def hf_logits(model, ids):

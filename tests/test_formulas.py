@@ -9,15 +9,11 @@ written out by hand, never computed with the function under test.
 import numpy as np
 import pytest
 import torch
+from engine_helpers import random_ids
 
 from probekit.analysis import lag
 from probekit.mechanisms.recirculation import Recirculation
 from probekit.mechanisms.regimes import Regime, parse_regimes, plan
-
-
-def random_ids(batch, seq, seed=0, vocab=256):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, seq), generator=g)
 
 
 # ----------------------------------------------------------------------- regimes

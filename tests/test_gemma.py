@@ -11,9 +11,9 @@ import itertools
 
 import pytest
 import torch
+from engine_helpers import check_fast_path_equals_bridge, hf_log_probs, random_ids
 
 from probekit.core import architecture, models
-from probekit.core.backends import lens as lens_backend
 from probekit.core.backends.lens import LensBackend
 from probekit.core.engine import StepEngine
 from probekit.core.kv_cache import KVCache
@@ -23,18 +23,6 @@ from probekit.mechanisms.reference import reference_recirculation
 
 ATOL = 2e-5
 WINDOW = 4
-
-
-def random_ids(batch, seq, seed=0, vocab=256):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, seq), generator=g)
-
-
-def hf_log_probs(model, ids):
-    with torch.no_grad():
-        logits = model.hf_model(ids).logits
-    lp = torch.log_softmax(logits[:, :-1], -1)
-    return lp.gather(-1, ids[:, 1:, None])[..., 0], logits
 
 
 @pytest.fixture(scope="module")
@@ -167,21 +155,9 @@ def test_engine_equals_slow_reference(gemma, engine, case, block_size, masked):
 def test_fast_block_path_equals_the_bridge(engine, bridge_engine, monkeypatch):
     """Without hooks, Gemma blocks run gemma_block on the bridge's weights; with a hook
     they go through the bridge, and both equal each other under recirculation."""
-    ids = random_ids(2, 13, seed=4)
-    rec = Recirculation(4, 1, alpha=0.5, iterations=2)
-    calls = []
-    real = lens_backend.gemma_block
-    monkeypatch.setattr(lens_backend, "gemma_block", lambda *a: calls.append(1) or real(*a))
-    for block_size in (1, 5):
-        fast = engine.run(ids, rec, block_size=block_size, return_logits=True)
-        assert calls, "the fast path was not used"
-        slow = bridge_engine.run(ids, rec, block_size=block_size, return_logits=True)
-        assert torch.allclose(fast.logits, slow.logits, atol=ATOL)
-    calls.clear()
-    fired = []
-    engine.run(ids, rec, fwd_hooks=[("blocks.3.hook_resid_post",
-                                     lambda x, hook=None: fired.append(1) or x)])
-    assert fired and not calls
+    check_fast_path_equals_bridge(engine, bridge_engine, monkeypatch, "gemma_block",
+                                  random_ids(2, 13, seed=4),
+                                  Recirculation(4, 1, alpha=0.5, iterations=2), 3, ATOL)
 
 
 def test_hooks_see_both_rope_bases(engine):

@@ -15,6 +15,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from engine_helpers import random_ids
 
 from probekit.analysis import lag, lag_summary
 from probekit.mechanisms.recirculation import Recirculation, RecirculationPath
@@ -33,11 +34,6 @@ RECIRCULATIONS = {
     "two-paths-two-iterations": Recirculation(
         paths=[RecirculationPath(4, 2, 0.3), RecirculationPath(2, 0, 0.2)], iterations=2),
 }
-
-
-def random_ids(batch, seq, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (batch, seq), generator=g)
 
 
 @pytest.mark.parametrize("name", list(RECIRCULATIONS))

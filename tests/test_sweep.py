@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from engine_helpers import random_ids
 
 from probekit.analysis import sweep
 from probekit.analysis.pairs import make_pairs
@@ -22,11 +23,6 @@ from probekit.runs import RunDir
 torch.set_num_threads(1)
 TEXT = ("Recirculation mixes a deep layer's residual into a shallow layer after every token, "
         "and the upper stack runs again so that later tokens see refined keys and values. ")
-
-
-def random_ids(batch, seq, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (batch, seq), generator=g)
 
 
 # The sweep's schemes as docs/commands/sweep.md defines them, written out here (not read
