@@ -158,6 +158,32 @@ def _check_identity(cfg_file: Path, ident: dict) -> bool:
     return True
 
 
+def lock_folder(path: Path) -> Any:
+    """Hold an exclusive lock on the folder ``path`` for this process's life (the open
+    lock file is returned). A second process asking for it waits here, with one warning
+    line, then finds the first's results and reuses them."""
+    import fcntl
+
+    key = str(Path(path).resolve())
+    if key in _HELD:  # this process holds it already (the folder opened twice)
+        return _HELD[key]
+    f = open(Path(path) / ".lock", "a+")  # noqa: SIM115 - held until the process exits
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        warnings.warn(f"another process (pid {holder}) is running in {path}; "
+                      f"waiting for it to finish, then reusing its results", stacklevel=3)
+        fcntl.flock(f, fcntl.LOCK_EX)
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    _HELD[key] = f
+    return f
+
+
 class RunDir:
     """A run folder; use :meth:`open` to create or resume one."""
 
@@ -166,28 +192,7 @@ class RunDir:
         self._lock_file = None
 
     def _lock(self) -> None:
-        """Hold an exclusive lock on the folder for this process's life. A second run of
-        the same command waits here, then finds the first's parts and reuses them."""
-        import fcntl
-
-        key = str(self.path.resolve())
-        if key in _HELD:  # this process holds it already (the folder opened twice)
-            self._lock_file = _HELD[key]
-            return
-        f = open(self.path / ".lock", "a+")  # noqa: SIM115 - held until the process exits
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "?"
-            warnings.warn(f"another process (pid {holder}) is running in {self.path}; "
-                          f"waiting for it to finish, then reusing its results", stacklevel=3)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
-        self._lock_file = _HELD[key] = f
+        self._lock_file = lock_folder(self.path)
 
     @classmethod
     def open(cls, command: str, config: Any, *, model=None,

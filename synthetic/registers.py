@@ -17,8 +17,28 @@ padding block, then queries one register and ends at the shared colon of ``Value
 The target is ``zero`` or ``one`` by the queried register's latest assignment
 (``label_id`` = that bit). A group is one schedule: the schedule, its bitwise value
 complement, and a query for every register (``2 m`` examples, labels balanced within the
-group). The matched pair is (schedule, complement) with the same query: the inputs are
-identical but for the assigned values, and the labels are always opposite.
+group).
+
+Matched pairs (``Example.pair``), two ways:
+
+- ``pairing="query"`` (default, the paper's definition: matched inputs "share the
+  complete update history and differ only in the queried register"): within one
+  schedule (and, separately, within its complement) register ``r_i`` is paired with
+  ``r_j`` when their latest values differ, so the labels are opposite. Rule: scan
+  ``i = 0 .. m-1``; an ``r_i`` not yet paired takes the first not-yet-paired ``r_j``,
+  ``j > i``, whose latest value differs. Every example is in at most one pair, and the
+  pairs are as many as possible (``min(#zeros, #ones)`` of the latest values); the
+  rest stay unpaired (``pair = -1``), e.g. every query of a schedule whose registers all
+  end equal. The complement has the same pairs, since complementing flips every
+  latest value. With ``m = 1`` there is no other register to query, so the paper's
+  pair cannot exist: such a dataset falls back to the complement pairs below (its
+  ``metadata["pairing"]`` says ``"complement"``), so every sweep condition keeps a
+  causal contrast.
+- ``pairing="complement"``: the schedule and its complement under the same query. The
+  inputs differ only in the assigned values, so patching measures where the model
+  holds the *value* with the query held fixed (every example is paired); with
+  ``"query"`` the history is held fixed and the patch must carry which register was
+  asked for as well as its value.
 
 Sweeps ("Register-count and overwrite sweeps"):
 
@@ -34,11 +54,17 @@ bits; "eight null updates" are eight ``scratch += 0`` lines after ``scratch = s`
 reading that counts distractors the same way in every task; the padding block sits
 after the null updates, right before the query; each sweep condition draws its own
 schedules (groups are numbered from 0 within a condition).
+
+Training text for the model organism (:func:`training_examples`; :func:`training_texts`
+gives the rows ``input + " " + label``): independent random inputs of varied shape,
+unpadded, whose schedules are never one of the probe sets' schedules
+(:func:`probe_schedules`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -48,6 +74,19 @@ from synthetic.dataset import Dataset, Example, pad_to_length, scratch_lines, va
 LABEL_WORDS = ("zero", "one")
 REGISTER_COUNTS = (1, 2, 4, 8)
 OVERWRITE_LENGTHS = {2: 180, 4: 276, 8: 468}
+#: How matched pairs are formed (module docstring); the first is the default.
+PAIRINGS = ("query", "complement")
+#: Random streams: each sweep condition and the training text draw from their own.
+SWEEP_STREAM, OVERWRITE_STREAM, TRAINING_STREAM = 1, 2, 3
+#: Groups per condition of the largest probe set (``enlarged=True``); a seed's smaller
+#: sets draw the same schedules first, so excluding these excludes every default size.
+PROBE_GROUPS = 128
+#: Shapes of the training text: registers, writes per register, null updates.
+TRAINING_REGISTERS = (1, 2, 4, 8)
+TRAINING_WRITES = (1, 2, 4, 8)
+TRAINING_DISTRACTORS = tuple(range(9))
+
+Schedule = list[tuple[int, int]]
 
 
 def register_text(
@@ -62,9 +101,7 @@ def register_text(
     return "\n".join(lines) + "\n", f"query = r{query}\nValue:"
 
 
-def random_schedule(
-    rng: np.random.Generator, m: int, writes_per_register: int
-) -> list[tuple[int, int]]:
+def random_schedule(rng: np.random.Generator, m: int, writes_per_register: int) -> Schedule:
     """Each of ``m`` registers written ``writes_per_register`` times, in random order."""
     registers = np.repeat(np.arange(m), writes_per_register)
     rng.shuffle(registers)
@@ -77,6 +114,45 @@ def latest_value(schedule: Sequence[tuple[int, int]], register: int) -> int:
     return [value for reg, value in schedule if reg == register][-1]
 
 
+def query_pairs(latest: Sequence[int]) -> list[tuple[int, int]]:
+    """Registers ``(i, j)``, ``i < j``, with different latest values, paired by the rule of
+    the module docstring: each unpaired ``r_i`` in turn takes the first unpaired ``r_j``,
+    ``j > i``, whose value differs (a maximum matching: ``min(#zeros, #ones)`` pairs)."""
+    paired = [False] * len(latest)
+    out = []
+    for i, value in enumerate(latest):
+        if paired[i]:
+            continue
+        for j in range(i + 1, len(latest)):
+            if not paired[j] and latest[j] != value:
+                paired[i] = paired[j] = True
+                out.append((i, j))
+                break
+    return out
+
+
+def local_pair_ids(pairing: str, latest: Sequence[int]) -> dict[tuple[bool, int], int]:
+    """``{(is_complement, query): id}`` within one group, ids in ``0 .. m-1``; queries
+    left out are unpaired. ``latest``: the schedule's latest value of every register."""
+    m = len(latest)
+    if pairing == "complement" or m == 1:
+        return {(c, q): q for q in range(m) for c in (False, True)}
+    ids = {}
+    for k, (i, j) in enumerate(query_pairs(latest)):
+        for c in (False, True):
+            ids[(c, i)] = ids[(c, j)] = 2 * k + c
+    return ids
+
+
+def schedules(seed: Any, m: int, writes_per_register: int,
+              n_groups: int) -> Iterator[tuple[Schedule, int]]:
+    """``(schedule, scratch start)`` of each group: the draws of :func:`registers_dataset`."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n_groups):
+        schedule = random_schedule(rng, m, writes_per_register)
+        yield schedule, int(rng.integers(0, 10))
+
+
 def registers_dataset(
     tokenizer: Any,
     *,
@@ -87,15 +163,18 @@ def registers_dataset(
     n_groups: int = 16,
     seed: int | Sequence[int] = 0,
     task: str = "registers",
+    pairing: str = "query",
 ) -> Dataset:
     """``n_groups`` schedules x {schedule, complement} x ``m`` queries.
 
     Args:
         length: pad every input to exactly this many tokens, or None for no padding.
+        pairing: ``"query"`` (same history, different queried register; m = 1 falls back
+            to complement pairs) or ``"complement"`` (module docstring).
 
     Raises:
-        ValueError: on a bad size, a ``length`` the content does not fit, or a result
-            that breaks a task invariant for ``tokenizer`` (see ``validate``).
+        ValueError: on a bad size or ``pairing``, a ``length`` the content does not fit,
+            or a result that breaks a task invariant for ``tokenizer`` (see ``validate``).
     """
     for name, value in (("m", m), ("writes_per_register", writes_per_register),
                         ("n_groups", n_groups)):
@@ -103,23 +182,24 @@ def registers_dataset(
             raise ValueError(f"{name} must be >= 1; got {value}")
     if distractors < 0:
         raise ValueError(f"distractors must be >= 0; got {distractors}")
-    rng = np.random.default_rng(seed)
+    if pairing not in PAIRINGS:
+        raise ValueError(f"pairing must be one of {PAIRINGS}; got {pairing!r}")
     cache: dict[int, str] = {}
     examples: list[Example] = []
-    for group in range(n_groups):
-        schedule = random_schedule(rng, m, writes_per_register)
+    drawn = schedules(seed, m, writes_per_register, n_groups)
+    for group, (schedule, scratch) in enumerate(drawn):
         complement = [(reg, 1 - value) for reg, value in schedule]
-        scratch = int(rng.integers(0, 10))
+        ids = local_pair_ids(pairing, [latest_value(schedule, q) for q in range(m)])
         for query in range(m):
-            pair_id = group * m + query
             for is_complement, sched in ((False, schedule), (True, complement)):
                 head, tail = register_text(sched, scratch, distractors, query)
                 text = (head + tail if length is None
                         else pad_to_length(head, tail, length, tokenizer, cache=cache))
                 bit = latest_value(sched, query)
+                local = ids.get((is_complement, query))
                 examples.append(Example(
                     text=text, label=LABEL_WORDS[bit], label_id=bit, group=group,
-                    pair=pair_id, task=task,
+                    pair=-1 if local is None else group * m + local, task=task,
                     condition={"m": m, "writes_per_register": writes_per_register,
                                "distractors": distractors, "query": query,
                                "complement": is_complement},
@@ -127,7 +207,8 @@ def registers_dataset(
     dataset = Dataset(task, LABEL_WORDS, examples, length=length, metadata={
         "seed": list(np.atleast_1d(seed).tolist()), "n_groups": n_groups, "m": m,
         "writes_per_register": writes_per_register, "distractors": distractors,
-        "length": length, "paper": "latent-feedback App. F, multi-register latest-write",
+        "length": length, "pairing": "complement" if m == 1 else pairing,
+        "paper": "latent-feedback App. F, multi-register latest-write",
     })
     validate(dataset, tokenizer)
     return dataset
@@ -142,6 +223,7 @@ def register_sweep(
     length: int = 180,
     n_groups: int = 16,
     seed: int = 0,
+    pairing: str = "query",
 ) -> dict[int, Dataset]:
     """Register-count sweep: one padded Dataset per register count ``m``."""
     out = {}
@@ -150,7 +232,8 @@ def register_sweep(
             raise ValueError(f"register_counts must divide assignments={assignments}; got m={m}")
         out[m] = registers_dataset(
             tokenizer, m=m, writes_per_register=assignments // m, distractors=distractors,
-            length=length, n_groups=n_groups, seed=(seed, 1, m), task="register-sweep",
+            length=length, n_groups=n_groups, seed=(seed, SWEEP_STREAM, m),
+            task="register-sweep", pairing=pairing,
         )
     return out
 
@@ -163,13 +246,94 @@ def overwrite_sweep(
     distractors: int = 8,
     n_groups: int = 16,
     seed: int = 0,
+    pairing: str = "query",
 ) -> dict[int, Dataset]:
     """Overwrite sweep: one padded Dataset per writes-per-register count (keys of
     ``lengths``, which maps it to the exact input length)."""
     return {
         writes: registers_dataset(
             tokenizer, m=m, writes_per_register=writes, distractors=distractors,
-            length=length, n_groups=n_groups, seed=(seed, 2, writes), task="overwrite-sweep",
+            length=length, n_groups=n_groups, seed=(seed, OVERWRITE_STREAM, writes),
+            task="overwrite-sweep", pairing=pairing,
         )
         for writes, length in lengths.items()
     }
+
+
+# ------------------------------------------------------------ organism training text
+@lru_cache(maxsize=4)
+def probe_schedules(seed: int = 0, n_groups: int = PROBE_GROUPS) -> frozenset[tuple]:
+    """Every schedule (and complement) of the register probe sets of ``seed`` at their
+    default shapes (``registers``: m = 8, 2 writes; both sweeps), ``n_groups`` per
+    condition, as tuples of ``(register, value)``. Smaller sets of the same seed draw a
+    prefix of these, so the default 128 covers every size up to the enlarged one."""
+    conditions = [(seed, 8, 2)]
+    conditions += [((seed, SWEEP_STREAM, m), m, 16 // m) for m in REGISTER_COUNTS]
+    conditions += [((seed, OVERWRITE_STREAM, w), 8, w) for w in OVERWRITE_LENGTHS]
+    out = set()
+    for stream, m, writes in conditions:
+        for schedule, _ in schedules(stream, m, writes, n_groups):
+            out.add(tuple(schedule))
+            out.add(tuple((reg, 1 - value) for reg, value in schedule))
+    return frozenset(out)
+
+
+def training_examples(
+    n_examples: int,
+    *,
+    seed: int = 0,
+    register_counts: Sequence[int] = TRAINING_REGISTERS,
+    writes: Sequence[int] = TRAINING_WRITES,
+    max_assignments: int = 64,
+    distractors: Sequence[int] = TRAINING_DISTRACTORS,
+    exclude_probe_schedules: bool = True,
+) -> list[Example]:
+    """``n_examples`` independent register inputs of varied shape, for training.
+
+    Each example draws, uniformly and independently: ``m`` from ``register_counts``; the
+    writes per register from those ``w`` in ``writes`` with ``m * w <= max_assignments``;
+    a random schedule (redrawn while it is one of :func:`probe_schedules`, if
+    ``exclude_probe_schedules``); the scratch start 0..9; the null-update count from
+    ``distractors``; the queried register. No padding and no tokenizer: the text is
+    :func:`register_text`'s (input ending at ``Value:``), ``group`` is the example's
+    index, nothing is paired. Deterministic in ``seed``, drawn from a stream of its own.
+
+    Raises:
+        ValueError: on an empty or non-positive size, or an ``m`` no ``w`` fits.
+    """
+    if n_examples < 1:
+        raise ValueError(f"n_examples must be >= 1; got {n_examples}")
+    if not register_counts or not writes or min(*register_counts, *writes) < 1:
+        raise ValueError(f"register_counts and writes must be counts >= 1; got "
+                         f"{list(register_counts)} and {list(writes)}")
+    if not distractors or min(distractors) < 0:
+        raise ValueError(f"distractors must be counts >= 0; got {list(distractors)}")
+    allowed = {m: [w for w in writes if m * w <= max_assignments] for m in register_counts}
+    bad = [m for m, ws in allowed.items() if not ws]
+    if bad:
+        raise ValueError(f"max_assignments={max_assignments} leaves no writes for m={bad[0]}"
+                         f" (writes {list(writes)})")
+    excluded = probe_schedules() if exclude_probe_schedules else frozenset()
+    rng = np.random.default_rng((seed, TRAINING_STREAM))
+    out = []
+    for i in range(n_examples):
+        m = int(rng.choice(register_counts))
+        w = int(rng.choice(allowed[m]))
+        schedule = random_schedule(rng, m, w)
+        while tuple(schedule) in excluded:  # rare: <= 256 of a shape's >= 65,536
+            schedule = random_schedule(rng, m, w)
+        scratch, d = int(rng.integers(0, 10)), int(rng.choice(distractors))
+        query = int(rng.integers(0, m))
+        head, tail = register_text(schedule, scratch, d, query)
+        bit = latest_value(schedule, query)
+        out.append(Example(
+            text=head + tail, label=LABEL_WORDS[bit], label_id=bit, group=i,
+            task="registers-train",
+            condition={"m": m, "writes_per_register": w, "distractors": d, "query": query},
+        ))
+    return out
+
+
+def training_texts(n_examples: int, **options: Any) -> list[str]:
+    """Training rows ``input + " " + label`` of :func:`training_examples` (same options)."""
+    return [ex.text + " " + ex.label for ex in training_examples(n_examples, **options)]

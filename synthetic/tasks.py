@@ -20,7 +20,8 @@ conditions, as the paper's "3,840 examples per prefill condition" is) and must b
 multiple of the examples per group. ``distractors`` is the list of null-update counts
 for completion and memory (``None``: 0/8/32, or all of 0/8/32/128/256 when enlarged)
 and the single null-update count for the register tasks (``None``: 8). Other keyword
-options go to the task's generator (e.g. ``m=4`` for ``registers``).
+options go to the task's generator (e.g. ``m=4`` for ``registers``; ``pairing="query"``
+(default) or ``"complement"`` for the three register tasks, see ``synthetic.registers``).
 """
 
 from __future__ import annotations

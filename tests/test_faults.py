@@ -36,7 +36,8 @@ WORDS = ("the cat sat on a mat and then ran away to find the dog who was sleepin
 PPL = ("perplexity", "--model", "tiny", "--text-file", "c.txt", "--windows", "6",
        "--window-tokens", "48", "--batch-size", "1", "--bootstrap", "20", "--threads", "1",
        "--no-progress")
-STATE = ("run", "state-tracking", "--model", "tiny", "--examples", "32", "--no-causal",
+STATE = ("run", "state-tracking", "--mechanism", "recirculation", "--model", "tiny",
+         "--examples", "32", "--no-causal",
          "--threads", "1", "--no-progress")
 INTERRUPTED = "interrupted; rerun the same command to resume"
 

@@ -478,12 +478,26 @@ def test_state_tracking_runs_latent_feedback_from_a_checkpoint(organism_checkpoi
     assert set(regimes) == {"none", "last-1", "full"}
 
 
-def test_state_tracking_needs_a_checkpoint(capsys):
+@pytest.mark.parametrize("with_checkpoint, extra, message", [
+    (True, ("--organism-seeds", "1"), "--organism-seeds picks probekit's own organisms; with "
+                                      "--checkpoint, leave it out"),
+    (True, ("--mechanism", "recirculation"),
+     "--checkpoint is read by --mechanism latent-feedback only"),
+    (False, ("--organism-seeds", "-1"), "--organism-seeds must be integers >= 0; got -1"),
+    (False, ("--organism-seeds", "1", "1"), "--organism-seeds lists a seed twice"),
+    (False, ("--mechanism", "latent-feedback", "latent-feedback"),
+     "--mechanism lists a mechanism twice: latent-feedback latent-feedback"),
+])
+def test_state_tracking_checkpoint_and_seed_flags(organism_checkpoint, tmp_path, capsys,
+                                                  with_checkpoint, extra, message):
+    """Bad combinations of the latent-feedback flags: one line, nothing trained or written."""
     from probekit.commands.main import main
 
-    assert main(["run", "state-tracking", "--mechanism", "latent-feedback", "--model", "tiny",
-                 "--task", "memory"]) == 2
-    assert "--mechanism latent-feedback needs --checkpoint C" in capsys.readouterr().err
+    ck = ("--checkpoint", str(organism_checkpoint)) if with_checkpoint else ()
+    run_dir = tmp_path / "run"
+    assert main(["run", "state-tracking", *ck, *extra, "--run-dir", str(run_dir)]) == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]
+    assert not run_dir.exists()
 
 
 def test_mechanism_rejects_a_checkpoint_for_another_model(organism_checkpoint, tiny_model):

@@ -65,7 +65,10 @@ def word_model(word_model_dir):
 
 
 def cli(*argv):
-    return main(["run", "state-tracking", *argv, "--no-progress", "--threads", "1"])
+    """The command; recirculation unless the test names a mechanism (the default also runs
+    latent feedback on probekit's organism, which trains it first)."""
+    mechanism = () if "--mechanism" in argv else ("--mechanism", "recirculation")
+    return main(["run", "state-tracking", *mechanism, *argv, "--no-progress", "--threads", "1"])
 
 
 SMALL = ("--task", "completion", "--examples", "16", "--distractors", "0")

@@ -16,7 +16,11 @@ every pass), on sequences of ``T`` tokens:
 
 - ``loss[k]``: mean next-token loss of pass ``k`` (``k = 1`` is the plain model);
 - ``update[k]`` (``k >= 2``): mean over positions of ``||h_t(k) - h_t(k-1)||_2`` and the
-  same divided by the mean ``||h_t(k)||`` (``relative_update``). Pass ``k`` makes
+  same divided by the mean ``||h_t(k)||`` (``relative_update``), where ``h`` is the state
+  the gate feeds back (what ``on_pass`` sees): after the final norm for a
+  ``feed="normed"`` gate, the un-normed top residual for ``"residual"`` (the map whose
+  fixed point is in question is the one from fed-back state to fed-back state; the
+  loss reads the normed state either way). Pass ``k`` makes
   positions ``< k`` exact, so their update is exactly 0 from then on; to keep that
   trivial convergence out of the curve the mean is taken over positions
   ``t >= n`` only (never exact within the run), which needs ``T > n``.
@@ -70,12 +74,13 @@ def stability_curves(
             f"--passes {n_passes} (or fewer passes)"
         )
     lm_head = engine.model.hf_model.lm_head
+    rec: LatentFeedback  # bound below; on_pass runs inside engine.run
     targets = ids[:, 1:]
     loss, update, relative, accuracy = [], [], [], []
     previous: list[Tensor] = []
 
     def on_pass(j: int, step: Step, h: Tensor) -> None:
-        logits = lm_head(h).float()
+        logits = lm_head(rec.normed(h)).float()  # h is the fed-back state (gate.feed)
         lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, targets[..., None])[..., 0]
         loss.append(float(-lp.mean()))
         if answer_positions is not None:

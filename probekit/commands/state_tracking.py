@@ -25,10 +25,12 @@ class Config:
     """suffix lengths that last-k stands for"""
     task: tuple[str, ...] = ("completion",)
     """tasks: completion, memory, registers, register-sweep, overwrite-sweep, or all"""
-    mechanism: str = "recirculation"
-    """how positions recur: recirculation or latent-feedback"""
+    mechanism: tuple[str, ...] = ("latent-feedback", "recirculation")
+    """how positions recur: latent-feedback (on an organism), recirculation (on --model)"""
     checkpoint: Path | None = None
-    """latent-feedback checkpoint folder (<run dir>/checkpoint of `probekit train-feedback`)"""
+    """latent-feedback checkpoint (default: probekit's organism, trained on first use)"""
+    organism_seeds: tuple[int, ...] = (0,)
+    """training seeds of the default organism; several give mean and spread"""
     recirculation: Annotated[RecirculationFlags, FLAT] = RecirculationFlags()
     examples: int | None = None
     """examples per task, sweeps over all conditions (default 128; sweeps 240 and 384)"""
@@ -44,8 +46,8 @@ class Config:
     """probe this pass instead of the readout pass (skips patching)"""
     causal: bool = True
     """run the patching experiment (--no-causal skips it)"""
-    batch_tokens: int = 4096
-    """rows per batch = batch-tokens // prompt length (bounds memory)"""
+    batch_tokens: int | None = None
+    """rows per batch = batch-tokens // prompt length (default: 4096 x SmolLM2's size/model's)"""
     max_batch: int = 64
     """most rows per batch"""
     run: Annotated[RunFlags, FLAT] = RunFlags()
@@ -56,18 +58,29 @@ class Config:
             raise UsageError(f"--seed must be >= 0; got {self.seed}")
         from probekit.mechanisms.prefill import mechanism_class
 
-        try:
-            cls = mechanism_class(self.mechanism)
-        except ValueError as e:
-            raise UsageError(f"--{e}") from None
-        for regime in self.regimes():
-            cls.check_regime(regime)
-        if self.mechanism == "latent-feedback" and self.checkpoint is None:
-            raise UsageError("--mechanism latent-feedback needs --checkpoint C, a folder "
-                             "written by `probekit train-feedback` (e.g. "
-                             "runs/train-feedback-<hash>/checkpoint)")
-        if self.mechanism != "latent-feedback" and self.checkpoint is not None:
+        if not self.mechanism:
+            raise UsageError("--mechanism needs at least one of latent-feedback, recirculation")
+        if len(set(self.mechanism)) != len(self.mechanism):
+            raise UsageError(f"--mechanism lists a mechanism twice: {' '.join(self.mechanism)}")
+        for name in self.mechanism:
+            try:
+                cls = mechanism_class(name)
+            except ValueError as e:
+                raise UsageError(f"--{e}") from None
+            for regime in self.regimes():
+                cls.check_regime(regime)
+        if not self.organism_seeds or min(self.organism_seeds) < 0:
+            raise UsageError(f"--organism-seeds must be integers >= 0; got "
+                             f"{' '.join(map(str, self.organism_seeds)) or 'nothing'}")
+        if len(set(self.organism_seeds)) != len(self.organism_seeds):
+            raise UsageError("--organism-seeds lists a seed twice")
+        if self.batch_tokens is not None and self.batch_tokens < 1:
+            raise UsageError(f"--batch-tokens must be >= 1; got {self.batch_tokens}")
+        if "latent-feedback" not in self.mechanism and self.checkpoint is not None:
             raise UsageError("--checkpoint is read by --mechanism latent-feedback only")
+        if self.checkpoint is not None and self.organism_seeds != (0,):
+            raise UsageError("--organism-seeds picks probekit's own organisms; with "
+                             "--checkpoint, leave it out")
         if self.checkpoint is not None and not (self.checkpoint / "config.json").is_file():
             raise UsageError(f"--checkpoint {self.checkpoint} is not a checkpoint folder (no "
                              f"config.json); give <run dir>/checkpoint of `probekit "
@@ -97,7 +110,7 @@ class Config:
         tasks = list(TASKS) if "all" in words else words
         return StateTrackingConfig(
             tasks=tuple(tasks), regimes=tuple(self.regimes()), n_examples=self.examples,
-            distractors=self.distractors, seed=self.seed, batch_tokens=self.batch_tokens,
+            distractors=self.distractors, seed=self.seed, batch_tokens=self.batch_tokens or 4096,
             max_batch=self.max_batch, n_folds=self.folds, C=self.C,
             pass_index=self.pass_index, causal=self.causal)
 
@@ -119,21 +132,119 @@ def load_recirculation(config: Config):
     return model, mechanism
 
 
-def latent_feedback_mechanism(checkpoint: Path, model_name: str):
-    """``(model, LatentFeedbackMechanism)`` from a checkpoint: ``model_name`` left at the
+def latent_feedback_mechanism(checkpoint: Path, model_name: str | None):
+    """``(model, LatentFeedbackMechanism)`` from a checkpoint: ``model_name`` None or the
     default runs the checkpoint's own model (an organism's, or the one a gate was trained
     for); any other must be the checkpoint's (ValueError otherwise)."""
     from probekit.core.models import DEFAULT_MODEL, load_model
     from probekit.mechanisms.prefill import LatentFeedbackMechanism
     from probekit.training.checkpoint import load_checkpoint
 
-    given = model_name not in (DEFAULT_MODEL, "default")
+    given = model_name not in (None, DEFAULT_MODEL, "default")
     ckpt = load_checkpoint(checkpoint, load_model(model_name) if given else None)
     return ckpt.model, LatentFeedbackMechanism(ckpt.gate, ckpt.model,
                                                checkpoint=str(ckpt.path), step=ckpt.step)
 
 
 def run(config: Config) -> int:
+    """Each mechanism (and each organism seed) in its own run folder; with several, they sit
+    inside one folder that also holds the combined summary and the side-by-side figures.
+    A single run keeps the one-folder layout (parts, summary, figures with patching)."""
+    import matplotlib.pyplot as plt
+
+    from probekit.analysis.across_runs import combine_runs
+    from probekit.commands.common import say, set_threads
+    from probekit.plots.state_tracking import plot_headline
+    from probekit.runs import RunDir
+
+    set_threads(config.model)
+    recirculation = _preflight(config)
+    n_runs = sum(1 if m != "latent-feedback" or config.checkpoint else
+                 len(config.organism_seeds) for m in config.mechanism)
+    top = None
+    if n_runs > 1:
+        top = RunDir.open("state-tracking", config, inputs={"checkpoint": config.checkpoint},
+                          path=config.run.run_dir, fresh=config.run.fresh)
+        say(f"run dir {top.path}")
+    runs: dict[str, dict[str, Any]] = {}
+    for name in config.mechanism:
+        if name == "latent-feedback":
+            for seed, ckpt in _feedback_checkpoints(config):
+                only = config.mechanism == ("latent-feedback",)
+                model, mechanism = latent_feedback_mechanism(
+                    ckpt, config.model.model if only else None)
+                label = "latent-feedback" if config.checkpoint else f"latent-feedback-seed{seed}"
+                runs[label], run_dir = _run_one(
+                    config, top, label, model, mechanism, ckpt,
+                    replace={"mechanism": (name,), "organism_seeds": (seed,)})
+        else:
+            model, mechanism = recirculation
+            runs[name], run_dir = _run_one(config, top, name, model, mechanism, None,
+                                           replace={"mechanism": (name,), "checkpoint": None,
+                                                    "organism_seeds": (0,)})
+    combined = combine_runs(runs)
+    if top is None:  # one run: its folder is the run's, its summary gains the combined view
+        results = {**runs[next(iter(runs))], "mechanisms": combined["mechanisms"]}
+        say(*headline_sentences(combined)[2:],
+            f"wrote {run_dir.write_json('summary.json', results)}")
+        return 0
+    combined["plots"] = []
+    for task in config.analysis().tasks:
+        fig = plot_headline(combined, task)
+        combined["plots"].append(str(top.save_figure(fig, f"state-tracking-{task}.png")))
+        plt.close(fig)
+    say("", *headline_sentences(combined),
+        f"\nwrote {top.write_json('summary.json', combined)}",
+        *(f"wrote {p}" for p in combined["plots"]))
+    return 0
+
+
+def _preflight(config: Config):
+    """Every check of the runs to come, before anything trains, runs or is written (bad
+    input costs nothing); returns ``load_recirculation(config)`` if recirculation runs."""
+    from probekit.analysis.state_tracking import build_datasets, check_folds, state_tracking_units
+    from probekit.mechanisms.prefill import mechanism_class
+    from probekit.mechanisms.regimes import plan
+    from probekit.training.organism import fit_tokenizer
+
+    st = config.analysis()
+    recirculation = None
+    if "recirculation" in config.mechanism:
+        recirculation = model, mechanism = load_recirculation(config)
+        mechanism.check(model.n_blocks)
+        state_tracking_units(mechanism, st, build_datasets(st, model.tokenizer))
+    if "latent-feedback" in config.mechanism and config.checkpoint is None:
+        data = build_datasets(st, fit_tokenizer())  # the organisms' tokenizer
+        check_folds(st, data)
+        for td in data:
+            for regime in st.regimes:
+                mechanism_class("latent-feedback").check_regime(regime)
+                plan(regime, td.lengths)
+    return recirculation
+
+
+def _feedback_checkpoints(config: Config) -> list[tuple[int, Path]]:
+    """``(seed, checkpoint)`` of each latent-feedback model: ``--checkpoint``, or probekit's
+    organism of every ``--organism-seeds`` seed, trained now if the cache lacks it."""
+    from probekit.commands.common import say
+    from probekit.training.organism_cache import Recipe, sealed, trained_organism
+
+    if config.checkpoint is not None:
+        return [(0, config.checkpoint)]
+    out = []
+    for seed in config.organism_seeds:
+        recipe = Recipe.default(seed)
+        if sealed(recipe) is None:
+            say(f"training probekit's latent-feedback organism (seed {seed}) once; it is "
+                f"cached for later runs (an interrupted training resumes)")
+        out.append((seed, trained_organism(recipe, progress=config.run.progress, log=say)))
+    return out
+
+
+def _run_one(config: Config, top, label: str, model, mechanism, checkpoint: Path | None, *,
+             replace: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """One mechanism on one model, in its own resumable run folder (inside ``top`` unless
+    None: then at ``--run-dir`` or the default place); returns its results and folder."""
     import time
     from functools import partial
 
@@ -145,34 +256,33 @@ def run(config: Config) -> int:
         state_tracking_units,
         summarize,
     )
-    from probekit.commands.common import say, set_threads
+    from probekit.commands.common import say
     from probekit.core.engine import StepEngine
     from probekit.plots.state_tracking import plot_state_tracking
     from probekit.runs import RunDir
 
-    set_threads(config.model)
-    st = config.analysis()
-    if config.mechanism == "latent-feedback":
-        model, mechanism = latent_feedback_mechanism(config.checkpoint, config.model.model)
-    else:
-        model, mechanism = load_recirculation(config)
+    sub = dataclasses.replace(config, **replace)
+    st = dataclasses.replace(sub.analysis(), batch_tokens=batch_tokens(config, model))
     mechanism.check(model.n_blocks)
     data = build_datasets(st, model.tokenizer)
     units = state_tracking_units(mechanism, st, data)  # every check before the run dir
     engine = StepEngine(model, config.model.backend)
-    run_dir = RunDir.open("state-tracking", config, model=model,
-                          inputs={"checkpoint": config.checkpoint}, path=config.run.run_dir,
-                          fresh=config.run.fresh)
-    say(f"model {model.name} ({model.n_blocks} blocks, hash {model.content_hash}); "
+    if top is None:
+        run_dir = RunDir.open("state-tracking", sub, model=model,
+                              inputs={"checkpoint": checkpoint}, path=config.run.run_dir,
+                              fresh=config.run.fresh)
+    else:
+        run_dir = RunDir.open(label, sub, model=model, inputs={"checkpoint": checkpoint},
+                              root=top.path, fresh=config.run.fresh)
+    say(f"{label}: model {model.name} ({model.n_blocks} blocks, hash {model.content_hash}); "
         f"{mechanism!r}",
         f"regimes {', '.join(map(str, st.regimes))}; "
         + "; ".join(f"{td.title}: {len(td.dataset)} examples, lengths "
                     f"{sorted({int(n) for n in td.lengths})}" for td in data),
         f"run dir {run_dir.path}")
-
     started = time.perf_counter()
     parts = run_dir.map(units, partial(compute_unit, engine, mechanism, st),
-                        desc="state-tracking", progress=config.run.progress)
+                        desc=label, progress=config.run.progress)
     results = summarize(mechanism, st, data, units, parts)
     results["wall_seconds"] = time.perf_counter() - started
     results["model"] = {"name": model.name, "content_hash": model.content_hash,
@@ -183,9 +293,21 @@ def run(config: Config) -> int:
         results["plots"].append(str(run_dir.save_figure(fig, f"state-tracking-{task}.png")))
         plt.close(fig)
     say("", summary_table(results), *(f"note: {n}" for n in results["notes"]),
-        f"\nwrote {run_dir.write_json('summary.json', results)}",
-        *(f"wrote {p}" for p in results["plots"]))
-    return 0
+        f"wrote {run_dir.write_json('summary.json', results)}",
+        *(f"wrote {p}" for p in results["plots"]), "")
+    return results, run_dir
+
+
+#: SmolLM2-135M's d_model x n_blocks: --batch-tokens' default is 4096 for a model that size
+REFERENCE_SIZE = 576 * 30
+
+
+def batch_tokens(config: Config, model) -> int:
+    """``--batch-tokens``, or by default 4096 scaled by activation size (d_model x blocks)
+    relative to SmolLM2-135M: a small organism batches many long rows at once."""
+    if config.batch_tokens is not None:
+        return config.batch_tokens
+    return max(4096, 4096 * REFERENCE_SIZE // (model.d_model * model.n_blocks))
 
 
 def summary_table(results: dict[str, Any]) -> str:
@@ -219,4 +341,74 @@ def summary_table(results: dict[str, Any]) -> str:
                 f"{e['title']:<{w}} {regime:<{r_w}} {r['model_accuracy']:>5.2f} {auc:>5} "
                 f"{r['probe']['chance']:>6.2f} {acc[0]:>7.2f} {at[0]} {at[1]} {at[2]} "
                 f"{acc[best]:>5.2f} ({best:>2})  {first:>9} {shift:>7}")
+    return "\n".join(lines)
+
+
+def headline_sentences(results: dict[str, Any]) -> list[str]:
+    """The combined table, then one sentence per mechanism saying what its panel shows."""
+
+    from probekit.plots.state_tracking import _mechanism_title
+
+    lines = [headline_table(results), ""]
+    for name, m in results["mechanisms"].items():
+        tasks = dict.fromkeys(e["task"] for e in m["datasets"].values())
+        for task in tasks:
+            entries = [e for e in m["datasets"].values() if e["task"] == task]
+            sentence = _sentence(entries)
+            if sentence:
+                lines.append(f"{_mechanism_title(name, m)}, {task}: {sentence}.")
+    return lines
+
+
+def _sentence(entries: list[dict[str, Any]]) -> str | None:
+    """What one mechanism's panel shows for one task (its datasets ``entries``)."""
+    import numpy as np
+
+    regimes = list(entries[0]["regimes"])
+    other = "full" if "full" in regimes else regimes[-1]
+    if other == "none":
+        return None
+    base = [e["regimes"]["none"] for e in entries]
+    rec = [e["regimes"][other] for e in entries]
+    b0 = [r["probe_mean"][0] for r in base]
+    r0 = [r["probe_mean"][0] for r in rec]
+    diff = np.array([np.subtract(r["probe_mean"], b["probe_mean"])
+                     for r, b in zip(rec, base, strict=True)])
+    chance = base[0]["chance"]
+
+    def span(v: list[float]) -> str:
+        return f"{min(v):.2f}" if max(v) - min(v) < 0.005 else f"{min(v):.2f}-{max(v):.2f}"
+
+    where = (f"the depth-0 probe reads the state with {span(b0)} accuracy under standard "
+             f"prefill (chance {chance:.2f}) and {span(r0)} under {other} prefill")
+    if min(r0) >= 0.9 and max(b0) <= chance + 0.1:
+        return f"{where}: the fed-back state carries the task state into the input"
+    if np.abs(diff).max() < 0.05:
+        return f"{where}; {other} prefill changes no depth's accessibility by 0.05 or more"
+    i, r = np.unravel_index(np.abs(diff).argmax(), diff.shape)
+    return (f"{where}; the largest change is {diff[i, r]:+.2f} at depth {r}"
+            + (f" ({entries[i]['title']})" if len(entries) > 1 else ""))
+
+
+def headline_table(results: dict[str, Any]) -> str:
+    """One row per mechanism, dataset and regime: probe accuracy at depths 0, 1, 2, 4 and
+    the best depth (mean over runs, with the range over runs when there are several),
+    and the model's task accuracy."""
+    import numpy as np
+
+    rows = [(name, e["title"], regime, r) for name, m in results["mechanisms"].items()
+            for e in m["datasets"].values() for regime, r in e["regimes"].items()]
+    w = [max(len(x[i]) for x in rows) for i in range(3)]
+    head = (f"{'mechanism':<{w[0]}} {'dataset':<{w[1]}} {'regime':<{w[2]}} {'task':>5} "
+            f"{'probe@0':>13} {'@1':>5} {'@2':>5} {'@4':>5} {'best (depth)':>12}")
+    lines = [head, "-" * len(head)]
+    for name, title, regime, r in rows:
+        acc = np.array(r["probe_mean"])
+        best = int(np.argmax(acc))
+        lo, hi = r["probe_min"][0], r["probe_max"][0]
+        p0 = f"{acc[0]:.2f}" + (f" [{lo:.2f},{hi:.2f}]" if len(r["probe_per_run"]) > 1 else "")
+        at = [f"{acc[i]:5.2f}" if i < acc.size else "    -" for i in (1, 2, 4)]
+        lines.append(f"{name:<{w[0]}} {title:<{w[1]}} {regime:<{w[2]}} "
+                     f"{r['model_accuracy_mean']:>5.2f} {p0:>13} {at[0]} {at[1]} {at[2]} "
+                     f"{acc[best]:>5.2f} ({best:>2})")
     return "\n".join(lines)

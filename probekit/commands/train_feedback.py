@@ -57,10 +57,11 @@ def run(config: Config) -> int:
         shutil.rmtree(ckpt)
     if organism:
         data = organism_data(model.tokenizer, tasks=config.data.tasks,
-                             n_examples=config.data.n_examples, seed=tc.seed)
+                             n_examples=config.data.n_examples, seed=tc.seed,
+                             max_tokens=tc.batch_tokens)
     else:
         data = gate_data(model, tc.seq_len, n_windows=config.data.n_windows)
-    gate = FeedbackGate.for_model(model)
+    gate = FeedbackGate.for_model(model, feed=tc.feed)
     say(f"train-feedback ({tc.mode}): model {model.name} ({model.n_blocks} blocks, "
         f"d_model {model.d_model}); data {data.description}; run dir {run_dir.path}")
     t0 = time.time()

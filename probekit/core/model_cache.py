@@ -62,6 +62,20 @@ def write(folder: Path, objects: tuple, extra: dict[str, Any] | None = None) -> 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def seal(folder: Path, extra: dict[str, Any] | None = None) -> None:
+    """Record the size and sha256 of every file under ``folder`` (recursively; hidden
+    files left out) and ``extra``, for a folder built in place (e.g. a trained
+    checkpoint) rather than by :func:`write`; :func:`problem` checks it."""
+    files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size,
+                                                "sha256": file_sha256(p)}
+             for p in sorted(folder.rglob("*"))
+             if p.is_file() and p.name != RECORD
+             and not any(part.startswith(".") for part in p.relative_to(folder).parts)}
+    tmp = folder / f".{RECORD}.tmp"
+    tmp.write_text(json.dumps({"files": files, **(extra or {})}, indent=1))
+    os.replace(tmp, folder / RECORD)
+
+
 def record(folder: Path) -> dict[str, Any] | None:
     try:
         return json.loads((folder / RECORD).read_text())

@@ -8,14 +8,30 @@ The gate (:class:`FeedbackGate`, Eq. 4 with App. C's norms)::
 
     u_t = RMSNorm_u( (W_U h_{t-1}) * sigmoid(W_G RMSNorm_e(e_t)) )        W_U, W_G in R^{D x D}
 
-``h_{t-1}`` is the previous position's top-layer state **after the model's final norm**
-(the vector the unembedding reads). That is the one fixed choice SEMANTICS.md asks
-for; reasons: its scale is bounded whatever the depth (the paper's "stationary
-hidden-state scale", Sec. 3.3), the training jitter ``sigma`` is then in a meaningful
-unit, and with tied embeddings it already lives in the embedding basis (the paper's
-"shared input basis"), which the identity initialisation of ``W_U`` below relies on.
-(Before vs after the norm only differs by the norm's per-dimension weight, which
-``W_U`` could absorb, because ``RMSNorm_u`` removes any overall scale.)
+``h_{t-1}`` is the previous position's top-layer state. SEMANTICS.md asks for one stated
+choice of *which* top state, and the paper supports two readings, so the gate stores the
+choice (``FeedbackGate(..., feed=...)``, the trainer's ``--feed``) and everything that
+feeds back (the engine strategy, the training objective, the slow reference) follows it:
+
+- ``feed="normed"`` (the default): the top residual **after the model's final norm**,
+  the vector the unembedding reads (Sec. 2 defines ``h^L`` as what the head projects).
+  Its scale is bounded whatever the depth, the training jitter ``sigma`` is then in a
+  meaningful unit, and with tied embeddings it already lives in the embedding basis (the
+  paper's "shared input basis", Sec. 3.3), which the identity initialisation of ``W_U``
+  below relies on.
+- ``feed="residual"``: the top residual stream **before the final norm**. Sec. 3.3's
+  "stationary hidden-state scale" uses depth scaling so that ``||h^L|| ~ O(1)`` rather
+  than the ``O(L)`` of "a standard pre-norm model": a concern only for the un-normed
+  stream, so this is the state that reading implies. (probekit's models have no depth
+  scaling: their residual's scale is whatever the model's is.) The logits still come
+  from the normed state; only what is fed back changes.
+
+With an RMSNorm final norm (Llama, the organism) the normed state is the residual times
+a per-position scalar and the norm's per-dimension weight: ``RMSNorm_u`` removes the
+scalar (up to its epsilon) and ``W_U`` can absorb the weight, so both feeds can express
+the same gates. They differ where training starts and what it sees: ``W_U = I`` starts on
+different vectors (unless the norm's weight is uniform), and the absolute jitter
+``sigma`` is small or large relative to the state depending on the residual's scale.
 
 Position 0, and every position where feedback is off, gets the plain embedding.
 
@@ -53,7 +69,8 @@ and ``last-k`` fuses each row's own final ``k`` tokens. The state-tracking plug-
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -65,13 +82,17 @@ from probekit.mechanisms.regimes import Regime, plan
 __all__ = [
     "FeedbackGate",
     "LatentFeedback",
+    "FEEDS",
     "check_gate",
     "final_norm",
+    "final_norm_inputs",
     "prefill",
     "reference_latent_feedback",
 ]
 
 INITS = ("identity", "random")
+#: which top state is fed back (module docstring): after or before the final norm
+FEEDS = ("normed", "residual")
 
 
 class FeedbackGate(nn.Module):
@@ -86,16 +107,23 @@ class FeedbackGate(nn.Module):
         output_scale: ``[D]`` initial weight of ``RMSNorm_u`` (the scale of a fused input);
             None leaves 1. :meth:`for_model` sets it to the embedding's RMS per dimension.
         eps: epsilon of both RMSNorms.
+        feed: which top state ``h`` this gate is trained on, kept as ``gate.feed``:
+            ``"normed"`` (after the final norm, the default) or ``"residual"`` (before it);
+            see the module docstring. Not a weight: checkpoints store it in config.json.
     """
 
     def __init__(self, d_model: int, *, init: str = "identity",
-                 output_scale: Tensor | None = None, eps: float = 1e-6) -> None:
+                 output_scale: Tensor | None = None, eps: float = 1e-6,
+                 feed: str = "normed") -> None:
         super().__init__()
         if not isinstance(d_model, int) or d_model < 1:
             raise ValueError(f"d_model must be a positive integer; got {d_model!r}")
         if init not in INITS:
             raise ValueError(f"init must be one of {INITS}; got {init!r}")
+        if feed not in FEEDS:
+            raise ValueError(f"feed must be one of {', '.join(FEEDS)}; got {feed!r}")
         self.d_model = d_model
+        self.feed = feed
         self.W_U = nn.Linear(d_model, d_model, bias=False)
         self.W_G = nn.Linear(d_model, d_model, bias=False)
         self.norm_e = nn.RMSNorm(d_model, eps=eps)
@@ -114,13 +142,17 @@ class FeedbackGate(nn.Module):
                 self.norm_u.weight.copy_(output_scale)
 
     @classmethod
-    def for_model(cls, model, *, init: str = "identity", seed: int = 0) -> FeedbackGate:
+    def for_model(cls, model, *, init: str = "identity", seed: int = 0,
+                  feed: str = "normed") -> FeedbackGate:
         """A fresh gate for a :class:`probekit.LoadedModel` (output scale = embedding RMS)."""
         emb = model.hf_model.get_input_embeddings().weight.detach().float()
         scale = emb.pow(2).mean(0).sqrt()  # [D] typical magnitude of each input dimension
         with torch.random.fork_rng(devices=[]):  # "random" init: seeded, caller's RNG untouched
             torch.manual_seed(seed)
-            return cls(model.d_model, init=init, output_scale=scale)
+            return cls(model.d_model, init=init, output_scale=scale, feed=feed)
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, feed={self.feed!r}"
 
     def forward(self, h_prev: Tensor, e: Tensor) -> Tensor:
         """``h_prev``, ``e``: ``[..., D]`` (broadcastable) -> fused input ``[..., D]``.
@@ -139,8 +171,24 @@ class FeedbackGate(nn.Module):
 
 def final_norm(model) -> nn.Module:
     """The model's final norm (``model.model.norm`` in Llama, ``transformer.ln_f`` in GPT-2;
-    :func:`probekit.core.architecture.layout`): ``h`` is read after it."""
+    :func:`probekit.core.architecture.layout`): ``feed="normed"`` reads ``h`` after it,
+    ``feed="residual"`` before it."""
     return layout(model.hf_model).final_norm
+
+
+@contextlib.contextmanager
+def final_norm_inputs(hf_model) -> Iterator[list[Tensor]]:
+    """Within the block, every forward of the Hugging Face model ``hf_model`` appends the
+    input of its final norm (the un-normed top residual ``[batch, pos, D]``, in the
+    autograd graph) to the yielded list: the ``feed="residual"`` state of a plain forward
+    (the training objective and the slow reference, which do not run the engine)."""
+    seen: list[Tensor] = []
+    handle = layout(hf_model).final_norm.register_forward_pre_hook(
+        lambda module, args: seen.append(args[0]))
+    try:
+        yield seen
+    finally:
+        handle.remove()
 
 
 def check_gate(gate: FeedbackGate, model) -> None:
@@ -163,10 +211,12 @@ class LatentFeedback(Recurrence):
         initial_state: ``[batch, D]`` state ``h`` of position ``start - 1`` when a run
             continues from a cache (``start > 0``); needed if position ``start`` is active.
         on_pass: optional ``fn(pass_index, step, h)`` called after every pass of every chunk
-            with the chunk's states ``h`` ``[batch, pos, D]`` (after the final norm).
+            with the chunk's fed-back states ``h`` ``[batch, pos, D]``: after the final norm
+            for a ``feed="normed"`` gate, before it for ``"residual"`` (:meth:`normed` maps
+            either to what the unembedding reads).
 
-    After a run, ``state`` is ``[batch, D]``: ``h`` of the run's last position (the carry
-    for a continuation, e.g. the next decoding step).
+    After a run, ``state`` is ``[batch, D]``: the fed-back ``h`` (the gate's ``feed``) of
+    the run's last position (the carry for a continuation, e.g. the next decoding step).
     """
 
     name = "latent-feedback"
@@ -199,7 +249,16 @@ class LatentFeedback(Recurrence):
         self._embeds: Tensor | None = None
 
     def __repr__(self) -> str:
-        return f"LatentFeedback(d_model={self.gate.d_model}, passes={self.passes})"
+        return (f"LatentFeedback(d_model={self.gate.d_model}, feed={self.gate.feed!r}, "
+                f"passes={self.passes})")
+
+    def fed_back(self, top: Tensor) -> Tensor:
+        """The state ``h`` fed back from top residuals ``top`` (the gate's ``feed``)."""
+        return self.norm(top) if self.gate.feed == "normed" else top
+
+    def normed(self, h: Tensor) -> Tensor:
+        """The final-normed state (what the unembedding reads) of fed-back states ``h``."""
+        return h if self.gate.feed == "normed" else self.norm(h)
 
     def check(self, n_blocks: int) -> None:
         if n_blocks != self.n_blocks:
@@ -239,7 +298,7 @@ class LatentFeedback(Recurrence):
         self, step: Step, captured: dict[int, Tensor], top: Tensor, rerun: Rerun
     ) -> None:
         embeds, width = self._embeds, len(step.positions)
-        h = self.norm(top)
+        h = self.fed_back(top)
         if self.on_pass is not None:
             self.on_pass(0, step, h)
         # A chunk of `width` positions is exact after `width` passes (module docstring).
@@ -253,7 +312,7 @@ class LatentFeedback(Recurrence):
                             step.input_ids[:, 1:])
                 x = torch.cat([embeds[:, :1], self._fuse(rest, embeds[:, 1:], prev)], 1)
             top = rerun(0, x, capture=(self.n_blocks - 1,))[self.n_blocks - 1]
-            h = self.norm(top)
+            h = self.fed_back(top)
             if self.on_pass is not None:
                 self.on_pass(j, step, h)
         self.state = h[:, -1]
@@ -279,7 +338,8 @@ def prefill(
     ``none``. ``run_kw`` go to :meth:`StepEngine.run` (``return_logits``, ``return_cache``,
     ``fwd_hooks``, ``temperature``, ``readout``, ``progress``). The result's
     ``extras["state"]`` is the ``[batch, D]`` top state ``h`` of the last position (the
-    carry for decoding; None without a gate) and ``extras["pass_index"]`` the readout pass.
+    carry for decoding, on the gate's ``feed`` side of the final norm; None without a
+    gate) and ``extras["pass_index"]`` the readout pass.
     """
     regime = regime if isinstance(regime, Regime) else Regime.parse(regime)
     _, lengths = engine.batch(input_ids)
@@ -304,7 +364,9 @@ def reference_latent_feedback(model, gate: FeedbackGate, tokens, *, active=None)
     """Slow reference of the exact recurrence (Eq. 8): ``[len, vocab]`` logits of one
     sequence. No cache and no engine: step ``t`` re-runs the whole prefix of inputs
     ``u_0 .. u_t`` through the plain Hugging Face forward (``inputs_embeds``) and reads
-    ``h_t`` at position ``t``. ``active`` (``[len]`` bools) says where feedback is on."""
+    ``h_t`` at position ``t``: the output for ``feed="normed"``, the final norm's input
+    (a hook on the Hugging Face norm) for ``"residual"``. ``active`` (``[len]`` bools)
+    says where feedback is on."""
     hf = model.hf_model
     ids = torch.tensor([list(tokens)])
     T = ids.shape[1]
@@ -312,10 +374,13 @@ def reference_latent_feedback(model, gate: FeedbackGate, tokens, *, active=None)
     e = hf.get_input_embeddings()(ids)  # [1, T, D]
     inputs = [e[:, 0]]
     logits = []
-    for t in range(T):
-        out = hf.model(inputs_embeds=torch.stack(inputs, 1), use_cache=False)
-        h = out.last_hidden_state[:, -1]  # after the final norm
-        logits.append(hf.lm_head(h)[0])
-        if t + 1 < T:
-            inputs.append(gate(h, e[:, t + 1]) if active[t + 1] else e[:, t + 1])
+    with final_norm_inputs(hf) as tops:
+        for t in range(T):
+            out = hf.model(inputs_embeds=torch.stack(inputs, 1), use_cache=False)
+            normed = out.last_hidden_state[:, -1]  # after the final norm
+            residual = tops.pop()[:, -1]  # before it
+            logits.append(hf.lm_head(normed)[0])
+            h = normed if gate.feed == "normed" else residual
+            if t + 1 < T:
+                inputs.append(gate(h, e[:, t + 1]) if active[t + 1] else e[:, t + 1])
     return torch.stack(logits)

@@ -218,7 +218,8 @@ class LatentFeedbackMechanism(Mechanism):
             "latent feedback changes the model input (depth 0) itself: under none, depth 0 "
             "is the final token's embedding (identical for every example, so chance); under "
             "last-k / full it is the gate's fusion of the previous top state",
-            "h is read after the final norm; the readout of passes=n is the last pass",
+            f"h is read {'after' if self.gate.feed == 'normed' else 'before'} the final "
+            "norm; the readout of passes=n is the last pass",
         ]
 
     def run(self, engine, input_ids, regime, *, fwd_hooks=()):

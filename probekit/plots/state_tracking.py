@@ -56,3 +56,49 @@ def _band(ax, x, mean, spread, label, color=None) -> str:
     (line,) = ax.plot(x, mean, marker=".", label=label, color=color)
     ax.fill_between(x, mean - spread, mean + spread, alpha=0.2, color=line.get_color())
     return line.get_color()
+
+
+def plot_headline(results: dict[str, Any], task: str):
+    """The headline figure for one task of
+    :func:`probekit.analysis.across_runs.combine_runs`'s results: a column per mechanism
+    (latent feedback on the organism, recirculation on the model), a row per dataset of
+    the task; probe accuracy per depth for each prefill regime, the mean over runs
+    (organism seeds) with a +-spread band, and the chance line."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    mechs = results["mechanisms"]
+    rows = max(sum(e["task"] == task for e in m["datasets"].values()) for m in mechs.values())
+    fig, axes = plt.subplots(rows, len(mechs), figsize=(4.8 * len(mechs), 3.1 * rows),
+                             squeeze=False)
+    for col, (name, m) in enumerate(mechs.items()):
+        entries = [e for e in m["datasets"].values() if e["task"] == task]
+        for ax, e in zip(axes[:, col], entries, strict=False):
+            for regime, r in e["regimes"].items():
+                depths = np.arange(len(r["probe_mean"]))
+                name_ = _REGIME_NAMES.get(regime, regime)
+                label = f"{name_} (task acc {r['model_accuracy_mean']:.0%})"
+                _band(ax, depths, r["probe_mean"], r["probe_spread"], label)
+            chance = next(iter(e["regimes"].values()))["chance"]
+            ax.axhline(chance, color="grey", ls="--", lw=1, label="chance")
+            ax.set(title=f"{_mechanism_title(name, m)}\n{e['title']}", ylim=(0.3, 1.02),
+                   xlabel="residual depth (0 = input)", ylabel="probe accuracy")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.legend(fontsize=7)
+        for ax in axes[len(entries):, col]:
+            ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+_REGIME_NAMES = {"none": "standard prefill", "full": "full recurrent prefill"}
+
+
+def _mechanism_title(name: str, m: dict[str, Any]) -> str:
+    model = m["model"]["name"]
+    if name == "latent-feedback":
+        what = "organism" if "organism" in model else model
+        runs = f", mean of {m['n_runs']} seeds" if m["n_runs"] > 1 else ""
+        return f"latent feedback ({what}, {m['model']['n_blocks']} blocks{runs})"
+    params = {k: v for k, v in m["mechanism"].items() if k in ("source", "destination", "alpha")}
+    return f"{name} ({model}, " + ", ".join(f"{k}={v}" for k, v in params.items()) + ")"

@@ -3,8 +3,9 @@
 A checkpoint is a folder (``<run>/checkpoint/`` of ``probekit train-feedback``)::
 
     config.json            format, mode, step, the model it belongs to (name, content hash,
-                           d_model, n_blocks, source), the gate's d_model, the resolved
-                           TrainConfig, the organism shape, AdamW's param groups
+                           d_model, n_blocks, source), the gate (d_model, feed: which top
+                           state it feeds back; absent in older checkpoints = "normed"),
+                           the resolved TrainConfig, the organism shape, AdamW's param groups
     model.safetensors      the gate (``gate.*``)
     optimizer.safetensors  AdamW moments (for resuming)
     history.json           per-step losses and validations
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from probekit.mechanisms.latent_feedback import FeedbackGate, check_gate
+from probekit.mechanisms.latent_feedback import FEEDS, FeedbackGate, check_gate
 from probekit.runs import write_json
 from probekit.training.config import TrainConfig
 
@@ -96,8 +97,11 @@ def save_checkpoint(folder: str | Path, *, gate: FeedbackGate, model, config: Tr
     """Write a checkpoint folder (module docstring). Files are replaced one by one
     atomically, ``config.json`` last, so a reader never sees a newer config than weights."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     config = config.resolved()
+    if gate.feed != config.feed:
+        raise ValueError(f"the gate feeds back the {gate.feed} state but the config says "
+                         f"--feed {config.feed}; build the gate with feed={config.feed!r}")
+    folder.mkdir(parents=True, exist_ok=True)
     if config.mode == "organism":
         _save_organism(folder, model)
     _write_safetensors(folder / "model.safetensors",
@@ -113,8 +117,8 @@ def save_checkpoint(folder: str | Path, *, gate: FeedbackGate, model, config: Tr
         identity["name"] = str(folder / "organism")
     write_json(folder / "config.json", {
         "format": FORMAT, "version": 1, "mode": config.mode, "step": step,
-        "model": identity, "gate": {"d_model": gate.d_model}, "train": asdict(config),
-        "organism": organism_config, "optimizer_param_groups": groups,
+        "model": identity, "gate": {"d_model": gate.d_model, "feed": gate.feed},
+        "train": asdict(config), "organism": organism_config, "optimizer_param_groups": groups,
     })
     return folder
 
@@ -150,7 +154,16 @@ def read_checkpoint_config(path: str | Path) -> dict:
             raise ValueError(f"{cfg_file} lacks {key}.{missing[0]}; {DAMAGED}")
     if cfg["mode"] not in ("gate", "organism"):
         raise ValueError(f"{cfg_file} has mode {cfg['mode']!r}, not gate or organism; {DAMAGED}")
+    if gate_feed(cfg) not in FEEDS:
+        raise ValueError(f"{cfg_file} has gate.feed {gate_feed(cfg)!r}, not one of "
+                         f"{', '.join(FEEDS)}; {DAMAGED}")
     return cfg
+
+
+def gate_feed(cfg: dict) -> str:
+    """Which top state a checkpoint's gate feeds back; checkpoints from before the
+    choice existed have no ``gate.feed`` and fed back the normed state."""
+    return cfg["gate"].get("feed", "normed")
 
 
 def check_checkpoint(path: str | Path) -> dict:
@@ -243,7 +256,7 @@ def load_checkpoint(path: str | Path, model=None) -> FeedbackCheckpoint:
         else:
             model = load_model(cfg["model"]["name"])
     check_model_matches(cfg, model, path)
-    gate = FeedbackGate(cfg["gate"]["d_model"])
+    gate = FeedbackGate(cfg["gate"]["d_model"], feed=gate_feed(cfg))
     _load_gate(gate, path)
     gate.eval()
     check_gate(gate, model)
@@ -260,6 +273,9 @@ def restore_training(path: str | Path, *, gate: FeedbackGate, model, config: Tra
     cfg = check_checkpoint(path)
     if cfg["mode"] != config.mode:
         raise ValueError(f"{path} holds a {cfg['mode']}-mode checkpoint, not {config.mode}")
+    if gate_feed(cfg) != gate.feed:
+        raise ValueError(f"{path} holds a gate that feeds back the {gate_feed(cfg)} state, "
+                         f"not {gate.feed}; use --feed {gate_feed(cfg)} or another run dir")
     history = _read_history(path)
     _load_gate(gate, path)
     if config.mode == "organism":

@@ -40,6 +40,8 @@ class TrainConfig:
     """sequences per step (default: gate 4, organism 32)"""
     seq_len: int = 128
     """tokens per training window (gate mode; organism rows are whole examples)"""
+    batch_tokens: int = 4096
+    """most tokens per organism batch: long rows come in smaller batches"""
     lr: float | None = None
     """peak AdamW learning rate (default: gate 0.001, organism 0.003)"""
     weight_decay: float = 0.01
@@ -56,6 +58,8 @@ class TrainConfig:
     """probability that a row keeps a random plain prefix in passes > 1"""
     jitter: float = 0.02
     """sigma of the uniform noise on the carried state (Eq. 13)"""
+    feed: Literal["normed", "residual"] = "normed"
+    """top state fed back: normed (after the final norm) or residual (before it)"""
     grad_clip: float = 1.0
     """gradient-norm clip (0: none)"""
     answer_weight: float | None = None
@@ -94,7 +98,7 @@ class TrainConfig:
 
 def _validate(c: TrainConfig) -> None:
     """Every check of a resolved config; messages name the flag."""
-    for name in ("steps", "batch_size", "seq_len", "save_every"):
+    for name in ("steps", "batch_size", "seq_len", "batch_tokens", "save_every"):
         v = getattr(c, name)
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"--{_flag(name)} must be a positive integer; got {v!r}")
@@ -136,8 +140,8 @@ class OrganismConfig:
     """organism attention heads (--d-model must be a multiple)"""
     d_mlp: int = 512
     """organism SwiGLU hidden width"""
-    n_ctx: int = 512
-    """organism context length (the 468-token overwrite sweep fits in 512)"""
+    n_ctx: int = 1280
+    """organism context length (256 distractors: 1,057 tokens)"""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -156,7 +160,7 @@ class DataConfig:
 
     n_windows: int = 2048
     """training windows of --seq-len Wikipedia tokens (gate mode)"""
-    tasks: tuple[Literal["completion", "memory"], ...] = ("completion", "memory")
+    tasks: tuple[Literal["completion", "memory", "registers"], ...] = ("completion", "memory")
     """organism training tasks"""
     n_examples: int = 12000
     """organism training examples"""

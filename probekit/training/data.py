@@ -35,6 +35,9 @@ class TrainData:
     description: dict = field(default_factory=dict)
     #: draw each batch from rows of similar length (variable-length rows: less padding)
     bucket: bool = False
+    #: bucketed batches hold at most this many tokens (fewer rows when rows are long), so
+    #: a step's cost stays bounded whatever the rows' lengths; None: always ``size`` rows
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._by_length = sorted(range(len(self.train)), key=lambda i: len(self.train[i]))
@@ -44,6 +47,9 @@ class TrainData:
             start = int(torch.randint(0, max(1, len(self.train) - size + 1), (1,),
                                       generator=generator))
             idx = self._by_length[start: start + size]
+            if self.max_tokens is not None:  # keep the shortest rows that fit the budget
+                fit = max(1, self.max_tokens // len(self.train[idx[-1]]))
+                idx = idx[:fit]
         else:
             idx = torch.randint(0, len(self.train), (size,), generator=generator).tolist()
         return pad_batch([self.train[i] for i in idx], self.pad_id)
@@ -74,7 +80,8 @@ def gate_data(model, seq_len: int, *, n_windows: int = 2048, val_windows: int = 
 
 
 def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int,
-                  distractors: Sequence[int] | None = None) -> TrainData:
+                  distractors: Sequence[int] | None = None,
+                  max_tokens: int | None = None) -> TrainData:
     """Task inputs + label words (:func:`probekit.training.organism.training_examples`); the
     validation batches are the default probe sets with their labels."""
     from probekit.training.organism import probe_rows, training_examples
@@ -84,6 +91,6 @@ def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int
     pad = tokenizer.pad_token_id
     val_rows = sorted(probe_rows(tokenizer, tasks), key=len)  # similar lengths per batch
     val = [pad_batch(val_rows[i: i + 32], pad) for i in range(0, len(val_rows), 32)]
-    return TrainData(rows, val, pad_id=pad, bucket=True,
+    return TrainData(rows, val, pad_id=pad, bucket=True, max_tokens=max_tokens,
                      description={"tasks": list(tasks), "train_examples": len(rows),
                                   "val_examples": len(val_rows)})

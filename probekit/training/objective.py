@@ -4,23 +4,26 @@ One training step (App. C, Fig. 9) on a batch of token ids ``x`` ``[B, T]``::
 
     K ~ schedule                           # passes this batch (--schedule)
     e = embed(x);  h(1) = model(e)         # pass 1: the plain model
-    for k = 2 .. K:
+    for k = 2 .. K:                        # h(k): the fed-back state (gate.feed) of pass k
         s = shift_right(h(k-1) + U[-sigma, sigma])      # jitter on the carried state
         u = gate(s, e)                                  # Eq. 4 (position 0 stays e_0)
         u[t <= p] = e[t <= p]                           # prefix mixin, random p per row
         h(k) = model(u)
     loss = NTP(h(1)) + lambda / (K-1) * sum_k NTP(h(k))  # Eq. 12
 
-``h`` is the top state after the final norm (the choice of
-:mod:`probekit.mechanisms.latent_feedback`); gradients are **not** detached between
-passes, so later passes' losses reach earlier passes' states. Each pass is one parallel
-forward of the Hugging Face model with ``inputs_embeds``: the differentiable twin of the
-engine's ``passes=n`` regime (``tests/test_latent_feedback.py`` pins that both give the
-same logits).
+``h`` is the top state the gate feeds back, on the side of the final norm that
+``gate.feed`` names (:mod:`probekit.mechanisms.latent_feedback`): the model's output for
+``"normed"``, the input of its final norm (a hook) for ``"residual"``; the losses always
+read the normed state, and the jitter is added to the fed-back one. Gradients are **not**
+detached between passes, so later passes' losses reach earlier passes' states. Each pass
+is one parallel forward of the Hugging Face model with ``inputs_embeds``: the
+differentiable twin of the engine's ``passes=n`` regime (``tests/test_latent_feedback.py``
+and ``tests/test_feedback_feed.py`` pin that both give the same logits).
 
 Choices where the paper is silent: prefix mixin applies to a row with probability
 ``mixin`` with ``p`` uniform over the row's positions, drawn anew for every pass; the
-jitter ``sigma`` is absolute, in units of the final-normed state.
+jitter ``sigma`` is absolute, in units of the fed-back state (so with ``feed="residual"``
+its size relative to the state depends on the model's residual scale).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from probekit.mechanisms.latent_feedback import FeedbackGate
+from probekit.mechanisms.latent_feedback import FeedbackGate, final_norm_inputs
 
 
 def token_loss(logits: Tensor, ids: Tensor, valid: Tensor) -> Tensor:
@@ -85,28 +88,31 @@ def multipass_loss(
     x = e
     losses: list[Tensor] = []
     all_logits: list[Tensor] = []
-    for k in range(n_passes):
-        grad = first_pass_grad or k > 0
-        with contextlib.nullcontext() if grad else torch.no_grad():
-            h = inner(inputs_embeds=x, use_cache=False).last_hidden_state  # after final norm
-            logits = hf_model.lm_head(h)
-            losses.append(token_loss(logits, ids, valid))
-        if return_logits:
-            all_logits.append(logits)
-        if k == n_passes - 1:
-            break
-        if jitter > 0:
-            noise = torch.rand(h.shape, generator=generator, dtype=h.dtype) * 2 - 1
-            h = h + jitter * noise
-        prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)  # shift right
-        fused = gate(prev, e)
-        prefix = torch.zeros(B, dtype=torch.long)  # positions t <= prefix stay plain
-        if mixin > 0:
-            use = torch.rand(B, generator=generator) < mixin
-            p = torch.randint(0, T, (B,), generator=generator)
-            prefix = torch.where(use, p, prefix)
-        on = positions[None, :] > prefix[:, None]
-        x = torch.where(on[..., None], fused, e)
+    residual = gate.feed == "residual"
+    with final_norm_inputs(hf_model) if residual else contextlib.nullcontext() as tops:
+        for k in range(n_passes):
+            grad = first_pass_grad or k > 0
+            with contextlib.nullcontext() if grad else torch.no_grad():
+                normed = inner(inputs_embeds=x, use_cache=False).last_hidden_state
+                logits = hf_model.lm_head(normed)
+                losses.append(token_loss(logits, ids, valid))
+            if return_logits:
+                all_logits.append(logits)
+            if k == n_passes - 1:
+                break
+            h = tops.pop() if residual else normed  # the fed-back state (gate.feed)
+            if jitter > 0:
+                noise = torch.rand(h.shape, generator=generator, dtype=h.dtype) * 2 - 1
+                h = h + jitter * noise
+            prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)  # shift right
+            fused = gate(prev, e)
+            prefix = torch.zeros(B, dtype=torch.long)  # positions t <= prefix stay plain
+            if mixin > 0:
+                use = torch.rand(B, generator=generator) < mixin
+                p = torch.randint(0, T, (B,), generator=generator)
+                prefix = torch.where(use, p, prefix)
+            on = positions[None, :] > prefix[:, None]
+            x = torch.where(on[..., None], fused, e)
     total = losses[0]
     if n_passes > 1:
         total = total + lam / (n_passes - 1) * sum(losses[1:])

@@ -10,8 +10,8 @@ probekit trains its own latent-feedback model, small enough for a CPU in minutes
   token, so ``" done"`` / ``" zero"`` are single tokens as the tasks require;
 - a **Llama** (:class:`OrganismConfig`, default 4 blocks, ``d_model`` 128, 4 heads,
   tied embeddings as the paper recommends, Sec. 3.3 "shared input basis");
-- **training text** (:func:`training_examples`): task inputs (0-8 null updates) followed
-  by their label word, drawn with other seeds than the probe sets (``make_task(...,
+- **training text** (:func:`training_examples`): task inputs (0-256 null updates)
+  followed by their label word, drawn with other seeds than the probe sets (``make_task(...,
   seed=0)``), and completion-tracking numeral pairs of those probe sets held out, so
   that task accuracy on the probe sets is measured on unseen pairs.
 
@@ -31,7 +31,7 @@ words of the result.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +40,7 @@ import transformers
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 from probekit.training.config import OrganismConfig
-from synthetic import make_task
+from synthetic import make_task, registers
 from synthetic.completion import completion_dataset
 from synthetic.dataset import FILLER_WORD, Dataset
 from synthetic.memory import memory_dataset
@@ -52,6 +52,8 @@ UNK = "<unk>"
 VOCAB_TASKS = ("completion", "memory", "registers")
 #: Tasks the organism trains on by default (the two of Fig. 7a).
 TRAIN_TASKS = ("completion", "memory")
+#: Tasks it can train on: also latest-write register tracking (Fig. 7b's task).
+ORGANISM_TASKS = ("completion", "memory", "registers")
 LABEL_WORDS = ("more", "done", "zero", "one")
 
 
@@ -164,21 +166,23 @@ def completion_pairs(data: Dataset) -> set[frozenset[int]]:
 PROBE_DISTRACTORS = (0, 8)
 
 
-def probe_sets(tokenizer, distractors: Sequence[int] = PROBE_DISTRACTORS) -> dict[str, Dataset]:
-    """The probe datasets of the organism's tasks: ``make_task(name, tok, seed=0)`` with
-    ``distractors`` (default sizes)."""
-    return {name: make_task(name, tokenizer, distractors=tuple(distractors))
-            for name in TRAIN_TASKS}
+def probe_sets(tokenizer, distractors: Sequence[int] = PROBE_DISTRACTORS,
+               tasks: Sequence[str] = TRAIN_TASKS) -> dict[str, Dataset]:
+    """The probe datasets of the organism's ``tasks``: ``make_task(name, tok, seed=0)``,
+    completion and memory with ``distractors``, registers at its default shape."""
+    return {name: make_task(name, tokenizer, **({} if name == "registers" else
+                                                {"distractors": tuple(distractors)}))
+            for name in tasks}
 
 
 def probe_rows(tokenizer, tasks: Sequence[str] = TRAIN_TASKS) -> list[list[int]]:
     """Token ids of the probe sets' rows (input + ``" " + label``) of ``tasks``, in
-    :data:`TRAIN_TASKS` order: the organism's validation rows."""
+    :data:`ORGANISM_TASKS` order: the organism's validation rows."""
     rows: list[list[int]] = []
-    for name, data in probe_sets(tokenizer).items():
-        if name in tasks:
-            texts = [ex.text + " " + ex.label for ex in data.examples]
-            rows += tokenizer(texts, add_special_tokens=False)["input_ids"]
+    ordered = [t for t in ORGANISM_TASKS if t in tasks]
+    for data in probe_sets(tokenizer, tasks=ordered).values():
+        texts = [ex.text + " " + ex.label for ex in data.examples]
+        rows += tokenizer(texts, add_special_tokens=False)["input_ids"]
     return rows
 
 
@@ -192,47 +196,77 @@ def held_out_pairs(tokenizer) -> set[frozenset[int]]:
     return out
 
 
+#: Null-update counts of the training rows, with their weights (shares of the rows): the
+#: probe sets' short counts densely, then doublings up to the paper's longest (256), so
+#: every probed length is a trained one. Long rows are rarer: they cost many tokens and
+#: teach length, while the short ones teach the tasks.
+TRAIN_DISTRACTORS = {0: 4, 1: 4, 2: 4, 3: 4, 4: 4, 6: 4, 8: 4, 16: 2, 32: 2, 64: 1, 128: 1,
+                     256: 1}
+
+
 def training_examples(
     tokenizer,
     tasks: Sequence[str] = TRAIN_TASKS,
     *,
     n_examples: int = 12000,
-    distractors: Sequence[int] = (0, 1, 2, 3, 4, 6, 8),
+    distractors: Mapping[int, int] | Sequence[int] = TRAIN_DISTRACTORS,
     seed: int = 1,
 ) -> list[list[int]]:
     """Token ids of ``n_examples`` training sequences (task input + ``" " + label``).
 
-    Completion pairs of the probe sets are excluded; examples are shuffled across tasks.
+    Each task gets an equal share, and within a task each distractor count a share
+    proportional to its weight (``distractors``: counts -> weights, or counts of equal
+    weight). Every generated dataset uses a single distractor count and fresh random
+    groups, so the rows cover as many completion numeral pairs (and memory contexts) as
+    there are rows: a model that saw only a few hundred pairs, each at every distractor
+    count, could learn those pairs instead of equality. Completion pairs of the probe
+    sets are excluded; examples are shuffled across tasks.
     """
     if not tasks:
         raise ValueError("training needs at least one task (--tasks)")
-    unknown = sorted(set(tasks) - set(TRAIN_TASKS))
+    unknown = sorted(set(tasks) - set(ORGANISM_TASKS))
     if unknown:
-        raise ValueError(f"organism tasks must be among {TRAIN_TASKS}; got {unknown}")
+        raise ValueError(f"organism tasks must be among {ORGANISM_TASKS}; got {unknown}")
+    if not distractors:
+        raise ValueError("training needs at least one distractor count")
+    weights = distractors if isinstance(distractors, Mapping) else dict.fromkeys(distractors, 1)
+    total = sum(weights.values())
     held_out = held_out_pairs(tokenizer) if "completion" in tasks else set()
     per_task = -(-n_examples // len(tasks))
     texts: list[str] = []
     for i, name in enumerate(tasks):
-        got: list[str] = []
-        s = seed * 1000 + i * 100
-        while len(got) < per_task:
-            if name == "completion":
-                data = completion_dataset(tokenizer, n_groups=400, distractors=distractors, seed=s)
-                # drop whole groups (all four assignments) whose pair is held out
-                bad = {ex.group for ex in data.examples
-                       if frozenset(map(int, _PAIR.search(ex.text).groups())) in held_out}
-                data.examples = [ex for ex in data.examples if ex.group not in bad]
-            else:
-                data = memory_dataset(tokenizer, n_groups=320, distractors=distractors, seed=s)
-            # shuffled, so that a task's share covers every group, not the first few
-            order = np.random.default_rng(s).permutation(len(data.examples))
-            got += [data.examples[j].text + " " + data.examples[j].label for j in order]
-            s += 1
-        texts += got[:per_task]
+        if name == "registers":  # varied register counts and writes, 0..8 null updates
+            texts += registers.training_texts(per_task, seed=seed * 1_000_000 + i * 100_000)
+            continue
+        for j, (d, w) in enumerate(weights.items()):
+            want = -(-per_task * w // total)
+            got: list[str] = []
+            s = seed * 1_000_000 + i * 100_000 + j * 1_000
+            while len(got) < want:
+                got += _rows(tokenizer, name, d, s, held_out)
+                s += 1
+            texts += got[:want]
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(texts))[:n_examples]
     ids = tokenizer([texts[i] for i in order], add_special_tokens=False)["input_ids"]
     return [list(x) for x in ids]
+
+
+def _rows(tokenizer, task: str, distractors: int, seed: int,
+          held_out: set[frozenset[int]]) -> list[str]:
+    """Half of one freshly drawn dataset of ``task`` (one distractor count), shuffled, as
+    texts with their labels: fresh groups for every few rows."""
+    if task == "completion":
+        data = completion_dataset(tokenizer, n_groups=64, distractors=(distractors,), seed=seed)
+        # drop whole groups (all four assignments) whose pair is held out
+        bad = {ex.group for ex in data.examples
+               if frozenset(map(int, _PAIR.search(ex.text).groups())) in held_out}
+        data.examples = [ex for ex in data.examples if ex.group not in bad]
+    else:
+        data = memory_dataset(tokenizer, n_groups=64, distractors=(distractors,), seed=seed)
+    order = np.random.default_rng(seed).permutation(len(data.examples))
+    return [data.examples[k].text + " " + data.examples[k].label
+            for k in order[: len(order) // 2]]
 
 
 # -------------------------------------------------------------------- accuracy
@@ -249,7 +283,7 @@ def task_accuracy(model, gate, tasks: Sequence[str] = TRAIN_TASKS,
     engine = StepEngine(model)
     tok = model.tokenizer
     out: dict[str, dict[str, float]] = {}
-    sets = probe_sets(tok)
+    sets = probe_sets(tok, tasks=tasks)
     for task in tasks:
         data = sets[task]
         label_ids = torch.tensor(label_token_ids(tok, data.label_words))

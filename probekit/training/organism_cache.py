@@ -1,0 +1,152 @@
+"""Trained organisms on demand: train on first use, verify on every use.
+
+``probekit run state-tracking`` shows latent feedback on a model organism trained by
+probekit's own trainer (:mod:`probekit.training.organism`). Nobody should have to train
+it by hand first, and nobody should get a half-trained or damaged one:
+
+- :func:`trained_organism` returns the checkpoint folder of a :class:`Recipe` from
+  probekit's cache (``<cache>/organisms/seed<seed>-<recipe hash>/checkpoint``), training
+  it first when it is not there. Training checkpoints as it goes, so an interrupted first
+  use resumes where it stopped (the trainer's resume is exact).
+- A finished organism is sealed: the size and sha256 of every file, with the recipe,
+  the training time and the task accuracy, go into ``probekit-cache.json``
+  (:func:`probekit.core.model_cache.seal`). Every later use checks that record; a
+  damaged organism is trained again, with one warning line saying why.
+- Training runs on one CPU thread whatever ``--threads`` says: the organism is too small
+  to gain from more, and one thread makes a seed's weights a function of the seed and
+  the machine alone (other machines' matmul kernels may still round differently).
+- A second process asking for the same organism waits for the first (a folder lock),
+  then uses its result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from probekit.core import model_cache
+from probekit.paths import cache_dir
+from probekit.runs import config_hash, identity, lock_folder
+from probekit.training.config import DataConfig, OrganismConfig, TrainConfig
+
+#: Bumped when a change to probekit's training code changes what a recipe trains.
+RECIPE_VERSION = 2
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that decides an organism's weights: the training hyperparameters
+    (organism mode), the training data and the organism's shape."""
+
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(mode="organism"))
+    data: DataConfig = field(default_factory=DataConfig)
+    shape: OrganismConfig = field(default_factory=OrganismConfig)
+
+    def __post_init__(self) -> None:
+        if self.train.mode != "organism":
+            raise ValueError(f"an organism recipe trains in organism mode, not {self.train.mode}")
+        object.__setattr__(self, "train", self.train.resolved())
+
+    @classmethod
+    def default(cls, seed: int = 0, **train: Any) -> Recipe:
+        """The default recipe with training seed ``seed`` (and any ``TrainConfig`` field)."""
+        return cls(train=TrainConfig(mode="organism", seed=seed, **train))
+
+    def key(self) -> str:
+        # the step count is no part of a run's identity (train-feedback resumes to more
+        # steps), but it is of a trained organism's
+        return config_hash({"recipe": identity(self), "steps": self.train.steps,
+                            "version": RECIPE_VERSION})
+
+
+def organism_folder(recipe: Recipe) -> Path:
+    """Where the recipe's organism lives in the cache (its ``checkpoint/`` inside)."""
+    return cache_dir() / "organisms" / f"seed{recipe.train.seed}-{recipe.key()}"
+
+
+def train_organism(recipe: Recipe, checkpoint: str | Path, *, progress: bool = True,
+                   log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Train (or resume) the recipe's organism into ``checkpoint`` on one thread; returns
+    ``{"history", "data", "seconds"}``."""
+    from probekit.mechanisms.latent_feedback import FeedbackGate
+    from probekit.training.data import organism_data
+    from probekit.training.organism import new_organism
+    from probekit.training.train import train
+
+    tc = recipe.train
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = new_organism(recipe.shape, tc.seed)
+        data = organism_data(model.tokenizer, tasks=recipe.data.tasks,
+                             n_examples=recipe.data.n_examples, seed=tc.seed,
+                             max_tokens=tc.batch_tokens)
+        gate = FeedbackGate.for_model(model, feed=tc.feed)
+        started = time.perf_counter()
+        history = train(model, gate, data, tc, checkpoint,
+                        organism_config=dataclasses.asdict(recipe.shape),
+                        progress=progress, log=log)
+    finally:
+        torch.set_num_threads(threads)
+    return {"history": history, "data": data.description,
+            "seconds": time.perf_counter() - started}
+
+
+def sealed(recipe: Recipe) -> dict[str, Any] | None:
+    """The seal record of the recipe's organism if it is finished and sound, else None."""
+    folder = organism_folder(recipe)
+    rec = model_cache.record(folder)
+    if rec is None or model_cache.problem(folder) is not None:
+        return None
+    return rec
+
+
+def trained_organism(recipe: Recipe | None = None, *, progress: bool = True,
+                     log: Callable[[str], None] | None = None) -> Path:
+    """The checkpoint folder of ``recipe``'s organism (default recipe if None), trained
+    first if the cache does not hold a sound one (module docstring)."""
+    from probekit.training.checkpoint import check_checkpoint, load_checkpoint
+    from probekit.training.organism import task_accuracy
+
+    recipe = recipe or Recipe()
+    folder = organism_folder(recipe)
+    ckpt = folder / "checkpoint"
+    if sealed(recipe) is not None:
+        return ckpt
+    folder.mkdir(parents=True, exist_ok=True)
+    lock_folder(folder)
+    if sealed(recipe) is not None:  # another process finished it while we waited
+        return ckpt
+    if model_cache.record(folder) is not None:  # sealed once, damaged since
+        reason = model_cache.problem(folder)
+        warnings.warn(f"the trained organism {folder} is broken ({reason}); training it "
+                      f"again", stacklevel=2)
+        (folder / model_cache.RECORD).unlink()
+        shutil.rmtree(ckpt, ignore_errors=True)
+    elif (ckpt / "config.json").is_file():
+        try:  # an interrupted training: resume it unless its checkpoint is damaged
+            check_checkpoint(ckpt)
+        except ValueError as e:
+            warnings.warn(f"{e}; training the organism from the start", stacklevel=2)
+            shutil.rmtree(ckpt)
+    run = train_organism(recipe, ckpt, progress=progress, log=log)
+    loaded = load_checkpoint(ckpt)
+    accuracy = task_accuracy(loaded.model, loaded.gate, recipe.data.tasks)
+    history = run["history"]
+    model_cache.seal(folder, {
+        "recipe": identity(recipe), "steps": recipe.train.steps,
+        "recipe_version": RECIPE_VERSION,
+        "train_seconds": history[-1]["time"] if history else run["seconds"],
+        "task_accuracy": accuracy, "data": run["data"],
+        "final_val_pass_losses": next((h["val_pass_losses"] for h in reversed(history)
+                                       if "val_pass_losses" in h), None),
+    })
+    return ckpt

@@ -1,0 +1,150 @@
+"""Trained organisms on demand (probekit.training.organism_cache): trained once, sealed,
+verified on every use, retrained when damaged, resumed when interrupted, deterministic."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from probekit.core import model_cache
+from probekit.training import organism_cache
+from probekit.training.config import DataConfig, OrganismConfig, TrainConfig
+from probekit.training.organism_cache import Recipe, organism_folder, sealed, trained_organism
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:transformers")
+
+
+def small(steps: int = 12, seed: int = 0, **train) -> Recipe:
+    """A recipe that trains in seconds (a 2-block, 32-wide organism, a few steps)."""
+    return Recipe(
+        train=TrainConfig(mode="organism", steps=steps, feedback_start=4, batch_size=8,
+                          batch_tokens=512, warmup=2, eval_every=0, save_every=4, seed=seed,
+                          **train),
+        data=DataConfig(n_examples=96),
+        shape=OrganismConfig(n_blocks=2, d_model=32, n_heads=2, d_mlp=64, n_ctx=1280))
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROBEKIT_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def weights(ckpt) -> bytes:
+    return (ckpt / "organism" / "model.safetensors").read_bytes()
+
+
+def test_trained_once_sealed_then_reused_without_training(monkeypatch):
+    recipe = small()
+    ckpt = trained_organism(recipe, progress=False)
+    rec = sealed(recipe)
+    assert ckpt == organism_folder(recipe) / "checkpoint"
+    assert rec is not None and rec["steps"] == 12
+    assert set(rec["task_accuracy"]) == {"completion", "memory"}
+    assert "checkpoint/organism/model.safetensors" in rec["files"]
+    assert "checkpoint/model.safetensors" in rec["files"]
+
+    def no_training(*a, **k):
+        raise AssertionError("a sealed organism must not be trained again")
+
+    monkeypatch.setattr(organism_cache, "train_organism", no_training)
+    assert trained_organism(recipe, progress=False) == ckpt
+
+
+def test_one_thread_training_is_deterministic(cache, tmp_path, monkeypatch):
+    first = weights(trained_organism(small(), progress=False))
+    monkeypatch.setenv("PROBEKIT_CACHE_DIR", str(tmp_path / "other"))
+    torch.set_num_threads(2)  # the caller's setting does not reach training
+    try:
+        again = weights(trained_organism(small(), progress=False))
+        assert torch.get_num_threads() == 2  # and is restored afterwards
+    finally:
+        torch.set_num_threads(1)
+    assert again == first
+    other_seed = weights(trained_organism(small(seed=1), progress=False))
+    assert other_seed != first
+
+
+def test_a_damaged_organism_is_trained_again_with_one_warning():
+    recipe = small()
+    ckpt = trained_organism(recipe, progress=False)
+    good = weights(ckpt)
+    path = ckpt / "organism" / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert sealed(recipe) is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert trained_organism(recipe, progress=False) == ckpt
+    lines = [str(w.message) for w in caught if "organism" in str(w.message)]
+    assert lines == [f"the trained organism {organism_folder(recipe)} is broken "
+                     f"(checkpoint/organism/model.safetensors does not match its recorded "
+                     f"sha256); training it again"]
+    assert weights(ckpt) == good and sealed(recipe) is not None
+
+
+def test_an_interrupted_training_resumes_to_the_uninterrupted_result(cache, tmp_path,
+                                                                       monkeypatch):
+    full = small(steps=12)
+    expected = weights(trained_organism(full, progress=False))
+    monkeypatch.setenv("PROBEKIT_CACHE_DIR", str(tmp_path / "other"))
+    from probekit.training import train as train_module
+
+    real = train_module.save_checkpoint
+
+    def save_then_stop(*args, **kw):  # Ctrl-C right after the step-8 checkpoint
+        real(*args, **kw)
+        if kw["step"] == 8:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "save_checkpoint", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        trained_organism(full, progress=False)
+    monkeypatch.setattr(train_module, "save_checkpoint", real)
+    assert sealed(full) is None
+    logged: list[str] = []
+    ckpt = trained_organism(full, progress=False, log=logged.append)
+    assert logged[0] == f"resuming from {ckpt} at step 8"
+    assert weights(ckpt) == expected
+
+
+def test_a_damaged_partial_training_starts_over():
+    recipe = small(steps=12)
+    ckpt = organism_folder(recipe) / "checkpoint"
+    organism_cache.train_organism(small(steps=4), ckpt, progress=False)
+    (ckpt / "config.json").write_text("{not json")
+    with pytest.warns(UserWarning, match=r"config\.json is not valid JSON .*training the "
+                                         r"organism from the start"):
+        trained_organism(recipe, progress=False)
+    assert json.loads((ckpt / "config.json").read_text())["step"] == 12
+
+
+def test_the_recipe_key_follows_every_field_that_decides_the_weights():
+    base = small()
+    assert small().key() == base.key()
+    assert small(seed=1).key() != base.key()
+    assert small(steps=13).key() != base.key()
+    assert small(lr=0.01).key() != base.key()
+    assert small(feed="residual").key() != base.key()
+    assert organism_folder(small(seed=3)).name.startswith("seed3-")
+    with pytest.raises(ValueError, match="an organism recipe trains in organism mode, not gate"):
+        Recipe(train=TrainConfig(mode="gate"))
+
+
+def test_seal_records_every_file_and_problem_finds_a_missing_one(tmp_path):
+    folder = tmp_path / "f"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("a")
+    (folder / "sub" / "b.bin").write_bytes(np.arange(4, dtype=np.uint8).tobytes())
+    (folder / ".lock").write_text("1")
+    model_cache.seal(folder, {"note": 1})
+    rec = model_cache.record(folder)
+    assert sorted(rec["files"]) == ["a.txt", "sub/b.bin"] and rec["note"] == 1
+    assert model_cache.problem(folder) is None
+    (folder / "sub" / "b.bin").unlink()
+    assert model_cache.problem(folder) == "sub/b.bin is missing"
