@@ -414,7 +414,7 @@ def test_train_config_validation():
 def test_train_config_fills_mode_defaults_and_checks_them():
     organism = TrainConfig(mode="organism", steps=7).resolved()
     assert (organism.steps, organism.batch_size, organism.answer_weight,
-            organism.feedback_start) == (7, 32, 20.0, 600)
+            organism.feedback_start) == (7, 64, 20.0, 600)
     gate = TrainConfig().resolved()
     assert (gate.mode, gate.steps, gate.lr, gate.feedback_start) == ("gate", 200, 1e-3, 0)
     assert gate.resolved() is gate

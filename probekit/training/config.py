@@ -23,7 +23,7 @@ MODES = ("gate", "organism")
 MODE_DEFAULTS = {
     "gate": dict(steps=200, batch_size=4, lr=1e-3, warmup=20, eval_every=50, save_every=25,
                  answer_weight=1.0, feedback_start=0),
-    "organism": dict(steps=1600, batch_size=32, lr=3e-3, warmup=100, eval_every=200,
+    "organism": dict(steps=3000, batch_size=64, lr=3e-3, warmup=100, eval_every=250,
                      save_every=100, answer_weight=20.0, feedback_start=600),
 }
 
@@ -35,9 +35,9 @@ class TrainConfig:
     mode: Literal["gate", "organism"] = "gate"
     """gate: a gate on a frozen pretrained --model; organism: a small Llama from scratch"""
     steps: int | None = not_identity(None)
-    """total optimizer steps, resumable (default: gate 200, organism 1600)"""
+    """total optimizer steps, resumable (default: gate 200, organism 3000)"""
     batch_size: int | None = None
-    """sequences per step (default: gate 4, organism 32)"""
+    """sequences per step (default: gate 4, organism 64)"""
     seq_len: int = 128
     """tokens per training window (gate mode; organism rows are whole examples)"""
     batch_tokens: int = 4096
@@ -65,7 +65,7 @@ class TrainConfig:
     answer_weight: float | None = None
     """loss weight of each row's last target, 1 = the paper (default: gate 1, organism 20)"""
     eval_every: int | None = not_identity(None)
-    """steps between validations, 0 = at the end (default: gate 50, organism 200)"""
+    """steps between validations, 0 = at the end (default: gate 50, organism 250)"""
     save_every: int | None = not_identity(None)
     """steps between checkpoints (default: gate 25, organism 100)"""
     seed: int = 0
@@ -162,7 +162,7 @@ class DataConfig:
     """training windows of --seq-len Wikipedia tokens (gate mode)"""
     tasks: tuple[Literal["completion", "memory", "registers"], ...] = ("completion", "memory")
     """organism training tasks"""
-    n_examples: int = 12000
+    n_examples: int = 24000
     """organism training examples"""
 
     def __post_init__(self) -> None:

@@ -54,6 +54,9 @@ VOCAB_TASKS = ("completion", "memory", "registers")
 TRAIN_TASKS = ("completion", "memory")
 #: Tasks it can train on: also latest-write register tracking (Fig. 7b's task).
 ORGANISM_TASKS = ("completion", "memory", "registers")
+#: Shares of the training rows by task: completion (equality of two numerals) takes a
+#: small model many more examples to learn than delayed memory.
+TASK_SHARES = {"completion": 3, "memory": 1, "registers": 2}
 LABEL_WORDS = ("more", "done", "zero", "one")
 
 
@@ -208,13 +211,14 @@ def training_examples(
     tokenizer,
     tasks: Sequence[str] = TRAIN_TASKS,
     *,
-    n_examples: int = 12000,
+    n_examples: int = 24000,
     distractors: Mapping[int, int] | Sequence[int] = TRAIN_DISTRACTORS,
     seed: int = 1,
 ) -> list[list[int]]:
     """Token ids of ``n_examples`` training sequences (task input + ``" " + label``).
 
-    Each task gets an equal share, and within a task each distractor count a share
+    Each task gets its share of :data:`TASK_SHARES`, and within a task each distractor
+    count a share
     proportional to its weight (``distractors``: counts -> weights, or counts of equal
     weight). Every generated dataset uses a single distractor count and fresh random
     groups, so the rows cover as many completion numeral pairs (and memory contexts) as
@@ -232,9 +236,9 @@ def training_examples(
     weights = distractors if isinstance(distractors, Mapping) else dict.fromkeys(distractors, 1)
     total = sum(weights.values())
     held_out = held_out_pairs(tokenizer) if "completion" in tasks else set()
-    per_task = -(-n_examples // len(tasks))
     texts: list[str] = []
     for i, name in enumerate(tasks):
+        per_task = -(-n_examples * TASK_SHARES[name] // sum(TASK_SHARES[t] for t in tasks))
         if name == "registers":  # varied register counts and writes, 0..8 null updates
             texts += registers.training_texts(per_task, seed=seed * 1_000_000 + i * 100_000)
             continue
