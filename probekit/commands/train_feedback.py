@@ -40,42 +40,43 @@ def run(config: Config) -> int:
     from probekit.plots.training import plot_history
     from probekit.runs import RunDir
     from probekit.training.checkpoint import load_checkpoint
-    from probekit.training.data import gate_data, organism_data
-    from probekit.training.organism import new_organism, task_accuracy
+    from probekit.training.data import gate_data
+    from probekit.training.organism import task_accuracy
+    from probekit.training.organism_cache import Recipe, train_organism
     from probekit.training.train import train
 
     set_threads(config.model)
     tc = config.train.resolved()
     organism = tc.mode == "organism"
     # the organism is defined by its config and seed; a gate also by the frozen model
-    model = new_organism(config.organism, tc.seed) if organism else load_model(config.model.model)
+    model = None if organism else load_model(config.model.model)
     run_dir = RunDir.open("train-feedback", dataclasses.replace(config, train=tc),
-                          model=None if organism else model, path=config.run.run_dir,
-                          fresh=config.run.fresh)
+                          model=model, path=config.run.run_dir, fresh=config.run.fresh)
     ckpt = run_dir.path / "checkpoint"
     if config.run.fresh and ckpt.exists():
         shutil.rmtree(ckpt)
-    if organism:
-        data = organism_data(model.tokenizer, tasks=config.data.tasks,
-                             n_examples=config.data.n_examples, seed=tc.seed,
-                             max_tokens=tc.batch_tokens)
+    t0 = time.time()
+    if organism:  # the same training as the organisms probekit caches (one thread)
+        recipe = Recipe(train=tc, data=config.data, shape=config.organism)
+        say(f"train-feedback (organism): {config.organism}; run dir {run_dir.path}")
+        trained = train_organism(recipe, ckpt, progress=config.run.progress, log=tqdm.write)
+        history, description, name = trained["history"], trained["data"], "organism"
     else:
         data = gate_data(model, tc.seq_len, n_windows=config.data.n_windows)
-    gate = FeedbackGate.for_model(model, feed=tc.feed)
-    say(f"train-feedback ({tc.mode}): model {model.name} ({model.n_blocks} blocks, "
-        f"d_model {model.d_model}); data {data.description}; run dir {run_dir.path}")
-    t0 = time.time()
-    history = train(model, gate, data, tc, ckpt,
-                    organism_config=dataclasses.asdict(config.organism) if organism else None,
-                    progress=config.run.progress, log=tqdm.write)
+        gate = FeedbackGate.for_model(model, feed=tc.feed)
+        say(f"train-feedback (gate): model {model.name} ({model.n_blocks} blocks, "
+            f"d_model {model.d_model}); data {data.description}; run dir {run_dir.path}")
+        history = train(model, gate, data, tc, ckpt, progress=config.run.progress,
+                        log=tqdm.write)
+        description, name = data.description, model.name
     elapsed = time.time() - t0
-    run_dir.save_figure(plot_history(history, f"train-feedback ({tc.mode}, {model.name})"),
+    run_dir.save_figure(plot_history(history, f"train-feedback ({tc.mode}, {name})"),
                         "loss_curves.png")
     summary = {"steps": tc.steps, "seconds_this_run": elapsed,
                "train_seconds_total": history[-1]["time"] if history else 0.0,
                "final_val_pass_losses": next((h["val_pass_losses"] for h in reversed(history)
                                               if "val_pass_losses" in h), None),
-               "checkpoint": str(ckpt), "data": data.description}
+               "checkpoint": str(ckpt), "data": description}
     if organism:
         loaded = load_checkpoint(ckpt)
         summary["task_accuracy"] = task_accuracy(loaded.model, loaded.gate, config.data.tasks)

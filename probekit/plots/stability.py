@@ -29,3 +29,29 @@ def plot_stability(curves: dict[str, Any], title: str = ""):
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def plot_stability_contrast(variants: dict[str, dict[str, Any]], title: str = ""):
+    """Fig. 3 for several trained models side by side (e.g. two pass schedules): loss of
+    pass k, relative state update and label accuracy against k, one line per variant
+    (``{label: stability_curves(...)}``)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for label, curves in variants.items():
+        k = np.array(curves["passes"])
+        axes[0].plot(k, curves["loss"], marker=".", label=label)
+        axes[1].plot(k[1:], curves["relative_update"][1:], marker=".", label=label)
+        if "answer_accuracy" in curves:
+            axes[2].plot(k, curves["answer_accuracy"], marker=".", label=label)
+    axes[0].set(xlabel="fused passes k", ylabel="loss of pass k", title="validation loss")
+    axes[1].set(xlabel="fused passes k", ylabel="||h(k) - h(k-1)|| / ||h(k)||", yscale="log",
+                title="state update (positions >= n)")
+    axes[2].set(xlabel="fused passes k", ylabel="accuracy", ylim=(0, 1.02),
+                title="label accuracy at the colon")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig

@@ -102,3 +102,47 @@ def _mechanism_title(name: str, m: dict[str, Any]) -> str:
         return f"latent feedback ({what}, {m['model']['n_blocks']} blocks{runs})"
     params = {k: v for k, v in m["mechanism"].items() if k in ("source", "destination", "alpha")}
     return f"{name} ({model}, " + ", ".join(f"{k}={v}" for k, v in params.items()) + ")"
+
+
+def plot_by_length(table: dict[str, dict[int, dict[str, dict[str, Any]]]], *, depth: int = 0,
+                   title: str = ""):
+    """Probe accuracy at ``depth`` against the number of distractors (latent-feedback paper
+    Fig. 7a, across lengths): ``table[task][distractors][regime]`` holds combined regime
+    results (:func:`probekit.analysis.across_runs.combine_runs`); one panel per task, the
+    mean over runs with a min-max band, then the per-depth curves at the longest length."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    tasks = list(table)
+    fig, axes = plt.subplots(2, len(tasks), figsize=(5.0 * len(tasks), 6.4), squeeze=False)
+    for col, task in enumerate(tasks):
+        counts = sorted(table[task])
+        x = np.arange(len(counts))
+        top, bottom = axes[0, col], axes[1, col]
+        for regime in table[task][counts[0]]:
+            rows = [table[task][d][regime] for d in counts]
+            mean = [r["probe_mean"][depth] for r in rows]
+            (line,) = top.plot(x, mean, marker="o", label=_REGIME_NAMES.get(regime, regime))
+            top.fill_between(x, [r["probe_min"][depth] for r in rows],
+                             [r["probe_max"][depth] for r in rows], alpha=0.2,
+                             color=line.get_color())
+            last = table[task][counts[-1]][regime]
+            depths = np.arange(len(last["probe_mean"]))
+            bottom.plot(depths, last["probe_mean"], marker=".", color=line.get_color(),
+                        label=_REGIME_NAMES.get(regime, regime))
+            bottom.fill_between(depths, last["probe_min"], last["probe_max"], alpha=0.2,
+                                color=line.get_color())
+        chance = table[task][counts[0]]["none"]["chance"]
+        for ax in (top, bottom):
+            ax.axhline(chance, color="grey", ls="--", lw=1, label="chance")
+            ax.set(ylim=(0.3, 1.02), ylabel="probe accuracy")
+            ax.legend(fontsize=7)
+        top.set_xticks(x, [str(d) for d in counts])
+        top.set(title=f"{task}: depth-{depth} probe", xlabel="distractors (null updates)")
+        bottom.set(title=f"{task}, {counts[-1]} distractors: every depth",
+                   xlabel="residual depth (0 = input)")
+        bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig

@@ -56,9 +56,12 @@ class Recipe:
         object.__setattr__(self, "train", self.train.resolved())
 
     @classmethod
-    def default(cls, seed: int = 0, **train: Any) -> Recipe:
-        """The default recipe with training seed ``seed`` (and any ``TrainConfig`` field)."""
-        return cls(train=TrainConfig(mode="organism", seed=seed, **train))
+    def default(cls, seed: int = 0, tasks: tuple[str, ...] | None = None,
+                **train: Any) -> Recipe:
+        """The default recipe with training seed ``seed``, training ``tasks`` (None: the
+        default two) and any other ``TrainConfig`` field."""
+        data = DataConfig() if tasks is None else DataConfig(tasks=tuple(tasks))
+        return cls(train=TrainConfig(mode="organism", seed=seed, **train), data=data)
 
     def key(self) -> str:
         # the step count is no part of a run's identity (train-feedback resumes to more

@@ -1,0 +1,73 @@
+"""Collect experiments/latent_feedback_stability.sh's runs into Fig. 3 (stability over 30
+fused passes per training variant) and the fed-back-state comparison, with each
+organism's training record.
+
+    python experiments/fig3.py runs/latent-feedback-fig3 --seed 0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import tyro
+
+from probekit.plots.stability import plot_stability_contrast
+from probekit.training.organism_cache import Recipe, sealed
+
+VARIANTS = {
+    "default-75-22-3": ("75% 1 pass, 22% 2, 3% 3 (default)", {}),
+    "schedule-75-25": ("75% 1 pass, 25% 2", {"schedule": (0.75, 0.25)}),
+    "feed-residual": ("default schedule, un-normed residual fed back", {"feed": "residual"}),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    run: Path
+    seed: int = 0
+    out: Path = Path("figures")
+
+
+def main() -> int:
+    args = tyro.cli(Args)
+    curves, out = {}, {"seed": args.seed, "variants": {}}
+    for name, (label, recipe_kw) in VARIANTS.items():
+        stab = json.loads((args.run / name / "stability" / "summary.json").read_text())
+        st = json.loads((args.run / name / "state-tracking" / "summary.json").read_text())
+        rec = sealed(Recipe.default(args.seed, **recipe_kw))
+        curves[label] = stab
+        probes = {key: {r: {"probe_mean": v["probe"]["accuracy_mean"],
+                            "model_accuracy": v["model_accuracy"], "causal": v["causal"]}
+                        for r, v in e["regimes"].items()}
+                  for key, e in st["datasets"].items()}
+        out["variants"][name] = {
+            "label": label, "stability": stab, "state_tracking": probes,
+            "training": {k: rec[k] for k in ("train_seconds", "task_accuracy",
+                                             "final_val_pass_losses", "steps")},
+            "history_val": [h for h in _history(stab) if "val_pass_losses" in h],
+        }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "latent-feedback-fig3.json").write_text(json.dumps(out, indent=1))
+    fig = plot_stability_contrast(curves, f"probekit's organism (seed {args.seed}): 30 fused "
+                                          f"Jacobi passes on the probe sets' rows")
+    fig.savefig(args.out / "latent-feedback-fig3.png", dpi=120)
+    for name, v in out["variants"].items():
+        s = v["stability"]
+        print(f"{name}: loss pass 1 {s['loss'][0]:.4f}, pass 30 {s['loss'][-1]:.4f}; relative "
+              f"update pass 2 {s['relative_update'][1]:.2e}, pass 30 "
+              f"{s['relative_update'][-1]:.2e}")
+    print(f"wrote {args.out / 'latent-feedback-fig3.png'} and .json")
+    return 0
+
+
+def _history(stability: dict) -> list[dict]:
+    """The training history of the checkpoint a stability run read."""
+    path = Path(stability["checkpoint"]["checkpoint"]) / "history.json"
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Multi-register state under latent feedback (full-bandwidth paper Fig. 7b, App. F): the
+# register-count sweep (m = 1, 2, 4, 8; 16 assignments, 8 null updates, padded to 180
+# tokens; 128 schedules per m, 3,840 examples) and the overwrite sweep (m = 8 with 2 / 4 / 8
+# writes per register, 180 / 276 / 468 tokens, 2,048 examples each) under standard, last-k
+# (k = 1, 2, 4) and full recurrent prefill, probed at every depth, with App. F's matched
+# pairs (same history, different queried register) for patching. The organisms are trained
+# on register tracking (`--tasks registers`; probekit's cache, ~20 min each). Writes
+#   figures/latent-feedback-fig7b.png    probe accuracy per condition, depth and regime
+#   figures/latent-feedback-fig7b.json   every number per seed, patching statistics included
+#
+#   experiments/latent_feedback_registers.sh            # from the repository root
+#   SEEDS="0" experiments/latent_feedback_registers.sh  # one organism
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PROBEKIT=${PROBEKIT:-probekit}
+PYTHON=${PYTHON:-python}
+RUN=${RUN:-runs/latent-feedback-fig7b}
+SEEDS=${SEEDS:-0 1 2}
+
+for seed in $SEEDS; do
+    ckpt=$("$PYTHON" experiments/organism_checkpoint.py --seed "$seed" --tasks registers)
+    for sweep_examples in register-sweep:3840 overwrite-sweep:6144; do
+        sweep=${sweep_examples%%:*}
+        "$PROBEKIT" run state-tracking --mechanism latent-feedback --checkpoint "$ckpt" \
+            --task "$sweep" --examples "${sweep_examples##*:}" \
+            --recurrence none last-k full --k 1 2 4 --threads 1 --no-progress \
+            --run-dir "$RUN/seed$seed/$sweep"
+    done
+done
+mkdir -p figures
+"$PYTHON" experiments/fig7b.py "$RUN" --seeds $SEEDS

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Stability of the learned recurrence (full-bandwidth paper Fig. 3) and which state is fed
+# back (Sec. 3.3): organisms trained with the pass schedules the paper contrasts, 75% one
+# pass / 22% two / 3% three (probekit's default, the paper's final choice) against 75% one /
+# 25% two, and with the un-normed top residual fed back instead of the final-normed state.
+# Each is run for 30 fused Jacobi passes (loss, ||h(k) - h(k-1)||, label accuracy per pass)
+# and probed at every depth under none / full prefill (0 and 8 distractors). Writes
+#   figures/latent-feedback-fig3.png    the three variants' curves against k
+#   figures/latent-feedback-fig3.json   every curve, the probes, each organism's training record
+# Organisms come from probekit's cache (trained there on first use, ~20 min each).
+#
+#   experiments/latent_feedback_stability.sh      # from the repository root
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PROBEKIT=${PROBEKIT:-probekit}
+PYTHON=${PYTHON:-python}
+RUN=${RUN:-runs/latent-feedback-fig3}
+SEED=${SEED:-0}
+PASSES=${PASSES:-30}
+
+declare -A VARIANT=(
+    [default-75-22-3]=""
+    [schedule-75-25]="--schedule 0.75 0.25"
+    [feed-residual]="--feed residual"
+)
+for name in default-75-22-3 schedule-75-25 feed-residual; do
+    # shellcheck disable=SC2086  # the variant's flags are words
+    ckpt=$("$PYTHON" experiments/organism_checkpoint.py --seed "$SEED" ${VARIANT[$name]})
+    "$PROBEKIT" feedback-stability --checkpoint "$ckpt" --passes "$PASSES" --threads 1 \
+        --no-progress --run-dir "$RUN/$name/stability"
+    "$PROBEKIT" run state-tracking --mechanism latent-feedback --checkpoint "$ckpt" \
+        --task completion memory --recurrence none full --threads 1 --no-progress \
+        --run-dir "$RUN/$name/state-tracking"
+done
+mkdir -p figures
+"$PYTHON" experiments/fig3.py "$RUN" --seed "$SEED"
