@@ -263,3 +263,58 @@ def test_headline_command_on_the_default_model(tmp_path, capsys):
     diff = np.abs(full - none).max(axis=(0, 2))
     assert (diff[:12] < 1e-3).all() and (diff[12:] > 1e-2).all()
     assert (run_dir / "state-tracking-completion.png").exists()
+
+
+def _both(checkpoint, run_dir, *model):
+    return main(["run", "state-tracking", "--mechanism", "latent-feedback", "recirculation",
+                 "--checkpoint", str(checkpoint), *model, *SMALL, "--recurrence", "full",
+                 "--run-dir", str(run_dir), "--no-progress", "--threads", "1"])
+
+
+def test_two_mechanisms_share_one_folder_figure_and_summary(organism_checkpoint, tmp_path,
+                                                             capsys):
+    """Latent feedback (on the checkpoint's organism) beside recirculation (on --model):
+    each in its own resumable sub-folder, one side-by-side figure per task, a combined
+    summary whose per-mechanism numbers are the sub-runs' own, one sentence per panel."""
+    run_dir = tmp_path / "run"
+    assert _both(organism_checkpoint, run_dir, "--model", "tiny") == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert sorted(summary["mechanisms"]) == ["latent-feedback", "recirculation"]
+    subs = {p.name.rsplit("-", 1)[0]: p for p in run_dir.iterdir() if p.is_dir()}
+    assert sorted(subs) == ["latent-feedback", "recirculation"]
+    for name, sub in subs.items():
+        own = json.loads((sub / "summary.json").read_text())
+        assert summary["runs"][name]["datasets"] == own["datasets"]
+        for key, e in own["datasets"].items():
+            for regime, r in e["regimes"].items():
+                got = summary["mechanisms"][name]["datasets"][key]["regimes"][regime]
+                assert got["probe_mean"] == r["probe"]["accuracy_mean"]
+                assert got["probe_spread"] == r["probe"]["accuracy_std"]
+                assert got["causal_per_run"] == [r["causal"]]
+    assert summary["mechanisms"]["latent-feedback"]["model"]["n_blocks"] == 2
+    assert summary["mechanisms"]["recirculation"]["model"]["name"] == "tiny"
+    assert (run_dir / "state-tracking-completion.png").stat().st_size > 10_000
+    sentences = [line for line in printed.splitlines() if line.startswith(("latent feedback (",
+                                                                         "recirculation ("))]
+    assert len(sentences) == 2 and all("depth-0 probe" in s for s in sentences)
+    # a rerun reuses both sub-runs' parts
+    parts = sorted(run_dir.glob("*/parts/*.npz"))
+    stamps = [p.stat().st_mtime_ns for p in parts]
+    assert _both(organism_checkpoint, run_dir, "--model", "tiny") == 0
+    assert [p.stat().st_mtime_ns for p in sorted(run_dir.glob("*/parts/*.npz"))] == stamps
+
+
+@pytest.mark.slow
+def test_both_mechanisms_on_the_default_model(organism_checkpoint, tmp_path):
+    """The headline layout with recirculation on SmolLM2-135M (the organism here is a
+    small untrained one: training the real one belongs to the experiments)."""
+    run_dir = tmp_path / "run"
+    assert _both(organism_checkpoint, run_dir) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rec = summary["mechanisms"]["recirculation"]
+    assert rec["model"]["n_blocks"] == 30
+    assert (rec["mechanism"]["source"], rec["mechanism"]["destination"]) == (20, 10)
+    r = rec["datasets"]["completion"]["regimes"]
+    assert r["none"]["probe_mean"][:12] == pytest.approx(r["full"]["probe_mean"][:12])
+    assert (run_dir / "state-tracking-completion.png").is_file()

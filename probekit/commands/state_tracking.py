@@ -23,7 +23,7 @@ class Config:
     """prefill regimes: none, last-k (one per --k), last-<k>, full, passes=<n>; none is added"""
     k: tuple[int, ...] = (1, 2, 4)
     """suffix lengths that last-k stands for"""
-    task: tuple[str, ...] = ("completion",)
+    task: tuple[str, ...] = ("completion", "memory")
     """tasks: completion, memory, registers, register-sweep, overwrite-sweep, or all"""
     mechanism: tuple[str, ...] = ("latent-feedback", "recirculation")
     """how positions recur: latent-feedback (on an organism), recirculation (on --model)"""
