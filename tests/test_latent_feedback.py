@@ -572,6 +572,9 @@ def test_mode_dependent_help_names_the_real_defaults():
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr):
             helps[node.target.id] = nxt.value.value
+    def word(v):
+        return " ".join(f"{p:g}" for p in v) if isinstance(v, tuple) else f"{v:g}"
+
     for name in config.MODE_DEFAULTS["gate"]:
         g, o = config.MODE_DEFAULTS["gate"][name], config.MODE_DEFAULTS["organism"][name]
-        assert f"(default: gate {g:g}, organism {o:g})" in helps[name], name
+        assert f"(default: gate {word(g)}, organism {word(o)})" in helps[name], name
