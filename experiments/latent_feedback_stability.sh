@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Stability of the learned recurrence (full-bandwidth paper Fig. 3) and which state is fed
 # back (Sec. 3.3): organisms trained with the pass schedules the paper contrasts, 75% one
-# pass / 22% two / 3% three (probekit's default, the paper's final choice) against 75% one /
-# 25% two, and with the un-normed top residual fed back instead of the final-normed state.
-# Each is run for 30 fused Jacobi passes (loss, ||h(k) - h(k-1)||, label accuracy per pass)
-# and probed at every depth under none / full prefill (0 and 8 distractors). Writes
+# pass / 22% two / 3% three (the paper's final choice) against 75% one / 25% two, both for
+# 3,000 steps, beside probekit's default organism (50/35/15, 4,000 steps) and the default
+# with the un-normed top residual fed back instead of the final-normed state. Each is run
+# for 30 fused Jacobi passes (loss, ||h(k) - h(k-1)||, label accuracy per pass) and probed
+# at every depth under none / full prefill (0 and 8 distractors). Writes
 #   figures/latent-feedback-fig3.png    the three variants' curves against k
 #   figures/latent-feedback-fig3.json   every curve, the probes, each organism's training record
-# Organisms come from probekit's cache (trained there on first use, ~20 min each).
+# Organisms come from probekit's cache (trained there on first use, 17-23 min each).
 #
 #   experiments/latent_feedback_stability.sh      # from the repository root
 set -euo pipefail
@@ -19,11 +20,12 @@ SEED=${SEED:-0}
 PASSES=${PASSES:-30}
 
 declare -A VARIANT=(
-    [default-75-22-3]=""
-    [schedule-75-25]="--schedule 0.75 0.25"
+    [default]=""
+    [paper-75-22-3]="--schedule 0.75 0.22 0.03 --steps 3000"
+    [paper-75-25]="--schedule 0.75 0.25 --steps 3000"
     [feed-residual]="--feed residual"
 )
-for name in default-75-22-3 schedule-75-25 feed-residual; do
+for name in default paper-75-22-3 paper-75-25 feed-residual; do
     # shellcheck disable=SC2086  # the variant's flags are words
     ckpt=$("$PYTHON" experiments/organism_checkpoint.py --seed "$SEED" ${VARIANT[$name]})
     "$PROBEKIT" feedback-stability --checkpoint "$ckpt" --passes "$PASSES" --threads 1 \

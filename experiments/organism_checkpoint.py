@@ -3,7 +3,7 @@ cache lacks it (probekit.training.organism_cache): the experiments' way to name 
 organism trained with a non-default schedule, fed-back state or task mix.
 
     python experiments/organism_checkpoint.py --seed 0
-    python experiments/organism_checkpoint.py --seed 0 --schedule 0.75 0.25
+    python experiments/organism_checkpoint.py --seed 0 --schedule 0.75 0.25 --steps 3000
     python experiments/organism_checkpoint.py --seed 0 --feed residual
     python experiments/organism_checkpoint.py --seed 0 --tasks registers
 """
@@ -24,7 +24,9 @@ class Args:
     seed: int = 0
     """training seed"""
     schedule: tuple[float, ...] | None = None
-    """probabilities of 1, 2, 3, ... passes (default: the recipe's 0.75 0.22 0.03)"""
+    """probabilities of 1, 2, 3, ... passes (default: the recipe's 0.5 0.35 0.15)"""
+    steps: int | None = None
+    """training steps (default: the recipe's 4000)"""
     feed: Literal["normed", "residual"] = "normed"
     """which top state is fed back"""
     tasks: tuple[Literal["completion", "memory", "registers"], ...] | None = None
@@ -33,7 +35,7 @@ class Args:
 
 def main() -> int:
     args = tyro.cli(Args)
-    extra = {"schedule": args.schedule} if args.schedule else {}
+    extra = {k: v for k, v in (("schedule", args.schedule), ("steps", args.steps)) if v}
     recipe = Recipe.default(args.seed, tasks=args.tasks, feed=args.feed, **extra)
     ckpt = trained_organism(recipe, log=lambda line: print(line, file=sys.stderr))
     record = sealed(recipe)

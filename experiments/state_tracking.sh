@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# State tracking with recirculation on the default model (latent-feedback paper Sec. 4.4,
-# Fig. 7, App. F): the headline command. Regenerates figures/state-tracking-completion.png
-# and figures/state-tracking-completion.json. Measured on the shared 2-core CPU box with
-# --threads 1 under load ~5-6: ~8 min wall (~4 min of CPU); see docs/state-tracking.md.
+# The headline command (latent-feedback paper Sec. 4.4, Fig. 7, App. F): latent feedback
+# on probekit's organism (seed 0, trained into the cache on first use) beside
+# recirculation on the default model, completion tracking and delayed memory, standard vs
+# full recurrent prefill. Regenerates figures/headline-{completion,memory}.png and
+# figures/headline.json (every number, the patching statistics included) and the
+# recirculation run's own figure figures/state-tracking-completion.{png,json}. The timing of
+# each part is in docs/state-tracking.md.
 #
 #   experiments/state_tracking.sh            # from the repository root
-#   SIZE=small experiments/state_tracking.sh # 32 short examples, a couple of minutes
+#   SIZE=small experiments/state_tracking.sh # 32 short examples per task
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROBEKIT=${PROBEKIT:-probekit}  # run inside the venv (or set PROBEKIT)
@@ -14,9 +17,11 @@ if [[ "${SIZE:-full}" == small ]]; then
 else
     SIZE_ARGS=(); RUN=runs/state-tracking-headline
 fi
-# Defaults: completion task (128 examples: 16 numeral-pair groups x 4 x distractors 0 8),
-# regimes none (always added) and full, recirculation s=20 d=10 (the model-relative
-# default for 30 blocks) alpha=0.1. Flags: docs/commands/state-tracking.md.
 "$PROBEKIT" run state-tracking --recurrence full "${SIZE_ARGS[@]}" --threads 1 --run-dir "$RUN"
-cp "$RUN/state-tracking-completion.png" figures/state-tracking-completion.png
-cp "$RUN/summary.json" figures/state-tracking-completion.json
+for task in completion memory; do
+    cp "$RUN/state-tracking-$task.png" "figures/headline-$task.png"
+done
+cp "$RUN/summary.json" figures/headline.json
+# the recirculation run's own figure (probe, flip rate and logit shift per depth)
+cp "$RUN"/recirculation-*/state-tracking-completion.png figures/state-tracking-completion.png
+cp "$RUN"/recirculation-*/summary.json figures/state-tracking-completion.json
