@@ -24,7 +24,7 @@ PAPER = {"completion": 0.996, "memory": 1.0}
 
 @dataclasses.dataclass(frozen=True)
 class Args:
-    run: Path
+    run: tyro.conf.Positional[Path]
     """the script's run folder (one sub-folder per task and length)"""
     counts: tuple[int, ...] = (0, 8, 32, 128, 256)
     seeds: tuple[int, ...] = (0, 1, 2)

@@ -83,8 +83,10 @@ SWEEP_STREAM, OVERWRITE_STREAM, TRAINING_STREAM = 1, 2, 3
 PROBE_GROUPS = 128
 #: Shapes of the training text: registers, writes per register, null updates.
 TRAINING_REGISTERS = (1, 2, 4, 8)
-TRAINING_WRITES = (1, 2, 4, 8)
-TRAINING_DISTRACTORS = tuple(range(9))
+TRAINING_WRITES = (1, 2, 4, 8, 16)
+#: Null-update counts of training rows: up to the 50 lines that pad the 468-token sweep
+#: inputs, so the sweeps' padded shape is a trained one
+TRAINING_DISTRACTORS = tuple(range(51))
 
 Schedule = list[tuple[int, int]]
 
@@ -325,6 +327,8 @@ def training_examples(
         scratch, d = int(rng.integers(0, 10)), int(rng.choice(distractors))
         query = int(rng.integers(0, m))
         head, tail = register_text(schedule, scratch, d, query)
+        if rng.random() < 0.5:  # the sweeps' padding remainder line, "# pad pad ..."
+            head += "#" + " pad" * int(rng.integers(0, 6)) + "\n"
         bit = latest_value(schedule, query)
         out.append(Example(
             text=head + tail, label=LABEL_WORDS[bit], label_id=bit, group=i,

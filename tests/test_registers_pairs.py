@@ -211,18 +211,21 @@ def test_training_examples_cover_the_shapes_evenly():
     ms = np.array([e.condition["m"] for e in examples])
     ws = np.array([e.condition["writes_per_register"] for e in examples])
     ds = np.array([e.condition["distractors"] for e in examples])
-    assert set(ms.tolist()) == {1, 2, 4, 8} and set(ws.tolist()) == {1, 2, 4, 8}
-    assert set(ds.tolist()) == set(range(9))
+    assert set(ms.tolist()) == {1, 2, 4, 8} and set(ws.tolist()) == {1, 2, 4, 8, 16}
+    assert set(ds.tolist()) == set(range(51))  # up to the sweeps' 50 padding lines
     for m in (1, 2, 4, 8):
         assert abs((ms == m).mean() - 1 / 4) < 0.03
-        assert abs((ws[ms == m] == 8).mean() - 1 / 4) < 0.06
-    assert np.abs(np.bincount(ds, minlength=9) / n - 1 / 9).max() < 0.03
+        n_writes = 4 if m == 8 else 5  # m = 8 with 16 writes exceeds 64 assignments
+        assert abs((ws[ms == m] == 8).mean() - 1 / n_writes) < 0.06
+    assert np.abs(np.bincount(ds, minlength=51) / n - 1 / 51).max() < 0.01
+    padded = np.array(["#" in e.text for e in examples])
+    assert abs(padded.mean() - 0.5) < 0.03  # the sweeps' "# pad ..." line, half the rows
     assert abs(np.mean([e.label_id for e in examples]) - 0.5) < 0.03
     assert (ms * ws <= 64).all()
 
 
 def test_training_example_format_and_labels():
-    pattern = (r"((?:r\d = [01]\n)+)scratch = \d\n((?:scratch \+= 0\n)*)"
+    pattern = (r"((?:r\d = [01]\n)+)scratch = \d\n((?:scratch \+= 0\n)*)(?:#(?: pad)*\n)?"
                r"query = r(\d)\nValue:")
     for ex in training_examples(500, seed=2):
         writes, nulls, query = re.fullmatch(pattern, ex.text).groups()

@@ -44,12 +44,11 @@ class TrainData:
 
     def batch(self, size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
         if self.bucket:  # `size` neighbours in length order, from a random start
-            start = int(torch.randint(0, max(1, len(self.train) - size + 1), (1,),
-                                      generator=generator))
-            idx = self._by_length[start: start + size]
-            if self.max_tokens is not None:  # keep the shortest rows that fit the budget
+            start = int(torch.randint(0, len(self.train), (1,), generator=generator))
+            idx = self._by_length[start: start + size]  # shorter at the long end: every
+            if self.max_tokens is not None:              # row can be drawn
                 fit = max(1, self.max_tokens // len(self.train[idx[-1]]))
-                idx = idx[:fit]
+                idx = idx[:fit]  # keep the shortest rows that fit the budget
         else:
             idx = torch.randint(0, len(self.train), (size,), generator=generator).tolist()
         return pad_batch([self.train[i] for i in idx], self.pad_id)

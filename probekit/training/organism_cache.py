@@ -38,7 +38,7 @@ from probekit.runs import config_hash, identity, lock_folder
 from probekit.training.config import DataConfig, OrganismConfig, TrainConfig
 
 #: Bumped when a change to probekit's training code changes what a recipe trains.
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,21 @@ class Recipe:
 
     def key(self) -> str:
         # the step count is no part of a run's identity (train-feedback resumes to more
-        # steps), but it is of a trained organism's
+        # steps), but it is of a trained organism's; so are the data constants
         return config_hash({"recipe": identity(self), "steps": self.train.steps,
-                            "version": RECIPE_VERSION})
+                            "data": data_constants(), "version": RECIPE_VERSION})
+
+
+def data_constants() -> dict[str, Any]:
+    """The module constants that shape the training rows (they decide the weights too)."""
+    from probekit.training import organism
+    from synthetic import registers
+
+    return {"task_shares": organism.TASK_SHARES,
+            "distractors": {str(k): v for k, v in organism.TRAIN_DISTRACTORS.items()},
+            "register_writes": registers.TRAINING_WRITES,
+            "register_counts": registers.TRAINING_REGISTERS,
+            "register_distractors": registers.TRAINING_DISTRACTORS}
 
 
 def organism_folder(recipe: Recipe) -> Path:
