@@ -23,6 +23,7 @@ recomputed, with a one-line warning.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -32,7 +33,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any, TypeVar
@@ -182,6 +183,24 @@ def lock_folder(path: Path) -> Any:
     f.flush()
     _HELD[key] = f
     return f
+
+
+@contextlib.contextmanager
+def holding(path: Path) -> Iterator[None]:
+    """:func:`lock_folder` for the ``with`` block only: released at its end (unless this
+    process already held the folder before it)."""
+    import fcntl
+
+    key = str(Path(path).resolve())
+    held_before = key in _HELD
+    f = lock_folder(path)
+    try:
+        yield
+    finally:
+        if not held_before:
+            fcntl.flock(f, fcntl.LOCK_UN)
+            f.close()
+            _HELD.pop(key, None)
 
 
 class RunDir:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from probekit.analysis.across_runs import combine_runs, mechanism_of
-from probekit.commands.state_tracking import headline_sentences, headline_table
+from probekit.analysis.headline import headline_sentences, headline_table
 
 
 def summary(acc_none, acc_full, model_acc=0.9, chance=0.5, causal=None):

@@ -148,3 +148,19 @@ def test_seal_records_every_file_and_problem_finds_a_missing_one(tmp_path):
     assert model_cache.problem(folder) is None
     (folder / "sub" / "b.bin").unlink()
     assert model_cache.problem(folder) == "sub/b.bin is missing"
+
+
+def test_the_folder_lock_is_released_once_the_organism_is_sealed():
+    """A process waiting for the same organism gets the lock when training ends, not when
+    the training process exits."""
+    import fcntl
+
+    from probekit import runs
+
+    recipe = small()
+    trained_organism(recipe, progress=False)
+    folder = organism_folder(recipe)
+    assert str(folder.resolve()) not in runs._HELD
+    with open(folder / ".lock", "a+") as f:  # another open file: as another process would
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if still held
+        fcntl.flock(f, fcntl.LOCK_UN)

@@ -318,3 +318,44 @@ def test_both_mechanisms_on_the_default_model(organism_checkpoint, tmp_path):
     r = rec["datasets"]["completion"]["regimes"]
     assert r["none"]["probe_mean"][:12] == pytest.approx(r["full"]["probe_mean"][:12])
     assert (run_dir / "state-tracking-completion.png").is_file()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--mechanism", "latent-feedback", "--model", "tiny"),
+     "--model tiny: latent feedback runs on probekit's organism (or on --checkpoint's "
+     "model); --model names the model recirculation runs on"),
+    (("--mechanism", "latent-feedback", "--task", "memory", "--distractors", "400"),
+     "memory: prompts of up to 1632 tokens exceed the latent-feedback model's context of "
+     "1280; give fewer --distractors"),
+])
+def test_latent_feedback_input_is_refused_before_any_training(tmp_path, capsys, monkeypatch,
+                                                              argv, message):
+    from probekit.training import organism_cache
+
+    def no_training(*a, **k):
+        raise AssertionError("bad input must be refused before the organism trains")
+
+    monkeypatch.setattr(organism_cache, "train_organism", no_training)
+    monkeypatch.setenv("PROBEKIT_CACHE_DIR", str(tmp_path / "cache"))
+    run_dir = tmp_path / "run"
+    assert cli(*argv, "--examples", "16", "--run-dir", str(run_dir)) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(message)
+    assert not run_dir.exists()
+
+
+def test_a_retrained_checkpoint_with_the_same_weights_reuses_the_run(organism_checkpoint,
+                                                                     tmp_path):
+    """The run identity reads the gate's and the model's weights, not the checkpoint's
+    history (wall-clock times change with every training)."""
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(organism_checkpoint, ck)
+    run_dir = tmp_path / "run"
+    argv = ("--mechanism", "latent-feedback", "--checkpoint", str(ck), *SMALL,
+            "--task", "memory", "--no-causal", "--run-dir", str(run_dir))
+    assert cli(*argv) == 0
+    stamps = {p: p.stat().st_mtime_ns for p in (run_dir / "parts").glob("*.npz")}
+    (ck / "history.json").write_text('[{"step": 1, "time": 123.0}]')
+    assert cli(*argv) == 0
+    assert {p: p.stat().st_mtime_ns for p in (run_dir / "parts").glob("*.npz")} == stamps

@@ -153,6 +153,7 @@ def run(config: Config) -> int:
     import matplotlib.pyplot as plt
 
     from probekit.analysis.across_runs import combine_runs
+    from probekit.analysis.headline import headline_sentences
     from probekit.commands.common import say, set_threads
     from probekit.plots.state_tracking import plot_headline
     from probekit.runs import RunDir
@@ -163,7 +164,7 @@ def run(config: Config) -> int:
                  len(config.organism_seeds) for m in config.mechanism)
     top = None
     if n_runs > 1:
-        top = RunDir.open("state-tracking", config, inputs={"checkpoint": config.checkpoint},
+        top = RunDir.open("state-tracking", config, inputs={"gate": gate_file(config.checkpoint)},
                           path=config.run.run_dir, fresh=config.run.fresh)
         say(f"run dir {top.path}")
     runs: dict[str, dict[str, Any]] = {}
@@ -176,7 +177,7 @@ def run(config: Config) -> int:
                 label = "latent-feedback" if config.checkpoint else f"latent-feedback-seed{seed}"
                 runs[label], run_dir = _run_one(
                     config, top, label, model, mechanism, ckpt,
-                    replace={"mechanism": (name,), "organism_seeds": (seed,)})
+                    replace=_feedback_identity(config, seed))
         else:
             model, mechanism = recirculation
             runs[name], run_dir = _run_one(config, top, name, model, mechanism, None,
@@ -199,24 +200,62 @@ def run(config: Config) -> int:
     return 0
 
 
+def gate_file(checkpoint: Path | None) -> Path | None:
+    """The file of a checkpoint that enters a run's identity: the gate's weights (the
+    model's weights enter as its content hash). Not the whole folder: its history and
+    optimizer state change with every training, also one that ends in the same weights."""
+    return None if checkpoint is None else checkpoint / "model.safetensors"
+
+
+def _feedback_identity(config: Config, seed: int) -> dict[str, Any]:
+    """The fields a latent-feedback sub-run replaces: one mechanism and seed, and the
+    flags it never reads reset (recirculation's, and --model unless it names the model)."""
+    from probekit.commands.common import RecirculationFlags
+    from probekit.core.models import DEFAULT_MODEL
+
+    out: dict[str, Any] = {"mechanism": ("latent-feedback",), "organism_seeds": (seed,),
+                           "recirculation": RecirculationFlags()}
+    if config.mechanism != ("latent-feedback",) or config.checkpoint is None:
+        out["model"] = dataclasses.replace(config.model, model=DEFAULT_MODEL)
+    return out
+
+
 def _preflight(config: Config):
     """Every check of the runs to come, before anything trains, runs or is written (bad
     input costs nothing); returns ``load_recirculation(config)`` if recirculation runs."""
     from probekit.analysis.state_tracking import build_datasets, check_folds, state_tracking_units
+    from probekit.core.models import DEFAULT_MODEL
     from probekit.mechanisms.prefill import mechanism_class
     from probekit.mechanisms.regimes import plan
+    from probekit.training.config import OrganismConfig
     from probekit.training.organism import fit_tokenizer
 
     st = config.analysis()
+    only = config.mechanism == ("latent-feedback",)
+    model_name = config.model.model if only else None
+    if only and config.checkpoint is None and config.model.model not in (DEFAULT_MODEL,
+                                                                         "default"):
+        raise UsageError(f"--model {config.model.model}: latent feedback runs on probekit's "
+                         f"organism (or on --checkpoint's model); --model names the model "
+                         f"recirculation runs on")
     recirculation = None
     if "recirculation" in config.mechanism:
         recirculation = model, mechanism = load_recirculation(config)
         mechanism.check(model.n_blocks)
         state_tracking_units(mechanism, st, build_datasets(st, model.tokenizer))
-    if "latent-feedback" in config.mechanism and config.checkpoint is None:
-        data = build_datasets(st, fit_tokenizer())  # the organisms' tokenizer
+    if "latent-feedback" in config.mechanism:
+        if config.checkpoint is None:  # probekit's organism: its tokenizer and context
+            tokenizer, n_ctx = fit_tokenizer(), OrganismConfig().n_ctx
+        else:
+            model, _ = latent_feedback_mechanism(config.checkpoint, model_name)
+            tokenizer, n_ctx = model.tokenizer, model.n_ctx
+        data = build_datasets(st, tokenizer)
         check_folds(st, data)
         for td in data:
+            if int(td.lengths.max()) > n_ctx:
+                raise UsageError(f"{td.title}: prompts of up to {int(td.lengths.max())} tokens "
+                                 f"exceed the latent-feedback model's context of {n_ctx}; "
+                                 f"give fewer --distractors")
             for regime in st.regimes:
                 mechanism_class("latent-feedback").check_regime(regime)
                 plan(regime, td.lengths)
@@ -269,10 +308,10 @@ def _run_one(config: Config, top, label: str, model, mechanism, checkpoint: Path
     engine = StepEngine(model, config.model.backend)
     if top is None:
         run_dir = RunDir.open("state-tracking", sub, model=model,
-                              inputs={"checkpoint": checkpoint}, path=config.run.run_dir,
+                              inputs={"gate": gate_file(checkpoint)}, path=config.run.run_dir,
                               fresh=config.run.fresh)
     else:
-        run_dir = RunDir.open(label, sub, model=model, inputs={"checkpoint": checkpoint},
+        run_dir = RunDir.open(label, sub, model=model, inputs={"gate": gate_file(checkpoint)},
                               root=top.path, fresh=config.run.fresh)
     say(f"{label}: model {model.name} ({model.n_blocks} blocks, hash {model.content_hash}); "
         f"{mechanism!r}",
@@ -341,74 +380,4 @@ def summary_table(results: dict[str, Any]) -> str:
                 f"{e['title']:<{w}} {regime:<{r_w}} {r['model_accuracy']:>5.2f} {auc:>5} "
                 f"{r['probe']['chance']:>6.2f} {acc[0]:>7.2f} {at[0]} {at[1]} {at[2]} "
                 f"{acc[best]:>5.2f} ({best:>2})  {first:>9} {shift:>7}")
-    return "\n".join(lines)
-
-
-def headline_sentences(results: dict[str, Any]) -> list[str]:
-    """The combined table, then one sentence per mechanism saying what its panel shows."""
-
-    from probekit.plots.state_tracking import _mechanism_title
-
-    lines = [headline_table(results), ""]
-    for name, m in results["mechanisms"].items():
-        tasks = dict.fromkeys(e["task"] for e in m["datasets"].values())
-        for task in tasks:
-            entries = [e for e in m["datasets"].values() if e["task"] == task]
-            sentence = _sentence(entries)
-            if sentence:
-                lines.append(f"{_mechanism_title(name, m)}, {task}: {sentence}.")
-    return lines
-
-
-def _sentence(entries: list[dict[str, Any]]) -> str | None:
-    """What one mechanism's panel shows for one task (its datasets ``entries``)."""
-    import numpy as np
-
-    regimes = list(entries[0]["regimes"])
-    other = "full" if "full" in regimes else regimes[-1]
-    if other == "none":
-        return None
-    base = [e["regimes"]["none"] for e in entries]
-    rec = [e["regimes"][other] for e in entries]
-    b0 = [r["probe_mean"][0] for r in base]
-    r0 = [r["probe_mean"][0] for r in rec]
-    diff = np.array([np.subtract(r["probe_mean"], b["probe_mean"])
-                     for r, b in zip(rec, base, strict=True)])
-    chance = base[0]["chance"]
-
-    def span(v: list[float]) -> str:
-        return f"{min(v):.2f}" if max(v) - min(v) < 0.005 else f"{min(v):.2f}-{max(v):.2f}"
-
-    where = (f"the depth-0 probe reads the state with {span(b0)} accuracy under standard "
-             f"prefill (chance {chance:.2f}) and {span(r0)} under {other} prefill")
-    if min(r0) >= 0.9 and max(b0) <= chance + 0.1:
-        return f"{where}: the fed-back state carries the task state into the input"
-    if np.abs(diff).max() < 0.05:
-        return f"{where}; {other} prefill changes no depth's accessibility by 0.05 or more"
-    i, r = np.unravel_index(np.abs(diff).argmax(), diff.shape)
-    return (f"{where}; the largest change is {diff[i, r]:+.2f} at depth {r}"
-            + (f" ({entries[i]['title']})" if len(entries) > 1 else ""))
-
-
-def headline_table(results: dict[str, Any]) -> str:
-    """One row per mechanism, dataset and regime: probe accuracy at depths 0, 1, 2, 4 and
-    the best depth (mean over runs, with the range over runs when there are several),
-    and the model's task accuracy."""
-    import numpy as np
-
-    rows = [(name, e["title"], regime, r) for name, m in results["mechanisms"].items()
-            for e in m["datasets"].values() for regime, r in e["regimes"].items()]
-    w = [max(len(x[i]) for x in rows) for i in range(3)]
-    head = (f"{'mechanism':<{w[0]}} {'dataset':<{w[1]}} {'regime':<{w[2]}} {'task':>5} "
-            f"{'probe@0':>13} {'@1':>5} {'@2':>5} {'@4':>5} {'best (depth)':>12}")
-    lines = [head, "-" * len(head)]
-    for name, title, regime, r in rows:
-        acc = np.array(r["probe_mean"])
-        best = int(np.argmax(acc))
-        lo, hi = r["probe_min"][0], r["probe_max"][0]
-        p0 = f"{acc[0]:.2f}" + (f" [{lo:.2f},{hi:.2f}]" if len(r["probe_per_run"]) > 1 else "")
-        at = [f"{acc[i]:5.2f}" if i < acc.size else "    -" for i in (1, 2, 4)]
-        lines.append(f"{name:<{w[0]}} {title:<{w[1]}} {regime:<{w[2]}} "
-                     f"{r['model_accuracy_mean']:>5.2f} {p0:>13} {at[0]} {at[1]} {at[2]} "
-                     f"{acc[best]:>5.2f} ({best:>2})")
     return "\n".join(lines)

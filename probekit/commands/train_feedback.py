@@ -43,7 +43,7 @@ def run(config: Config) -> int:
     from probekit.training.data import gate_data
     from probekit.training.organism import task_accuracy
     from probekit.training.organism_cache import Recipe, train_organism
-    from probekit.training.train import train
+    from probekit.training.train import final_validation, train, training_seconds
 
     set_threads(config.model)
     tc = config.train.resolved()
@@ -73,9 +73,8 @@ def run(config: Config) -> int:
     run_dir.save_figure(plot_history(history, f"train-feedback ({tc.mode}, {name})"),
                         "loss_curves.png")
     summary = {"steps": tc.steps, "seconds_this_run": elapsed,
-               "train_seconds_total": history[-1]["time"] if history else 0.0,
-               "final_val_pass_losses": next((h["val_pass_losses"] for h in reversed(history)
-                                              if "val_pass_losses" in h), None),
+               "train_seconds_total": training_seconds(history),
+               "final_val_pass_losses": final_validation(history),
                "checkpoint": str(ckpt), "data": description}
     if organism:
         loaded = load_checkpoint(ckpt)

@@ -67,6 +67,8 @@ def plot_headline(results: dict[str, Any], task: str):
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
+    from probekit.analysis.headline import mechanism_title
+
     mechs = results["mechanisms"]
     rows = max(sum(e["task"] == task for e in m["datasets"].values()) for m in mechs.values())
     fig, axes = plt.subplots(rows, len(mechs), figsize=(4.8 * len(mechs), 3.1 * rows),
@@ -81,7 +83,7 @@ def plot_headline(results: dict[str, Any], task: str):
                 _band(ax, depths, r["probe_mean"], r["probe_spread"], label)
             chance = next(iter(e["regimes"].values()))["chance"]
             ax.axhline(chance, color="grey", ls="--", lw=1, label="chance")
-            ax.set(title=f"{_mechanism_title(name, m)}\n{e['title']}", ylim=(0.3, 1.02),
+            ax.set(title=f"{mechanism_title(name, m)}\n{e['title']}", ylim=(0.3, 1.02),
                    xlabel="residual depth (0 = input)", ylabel="probe accuracy")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.legend(fontsize=7)
@@ -92,16 +94,6 @@ def plot_headline(results: dict[str, Any], task: str):
 
 
 _REGIME_NAMES = {"none": "standard prefill", "full": "full recurrent prefill"}
-
-
-def _mechanism_title(name: str, m: dict[str, Any]) -> str:
-    model = m["model"]["name"]
-    if name == "latent-feedback":
-        what = "organism" if "organism" in model else model
-        runs = f", mean of {m['n_runs']} seeds" if m["n_runs"] > 1 else ""
-        return f"latent feedback ({what}, {m['model']['n_blocks']} blocks{runs})"
-    params = {k: v for k, v in m["mechanism"].items() if k in ("source", "destination", "alpha")}
-    return f"{name} ({model}, " + ", ".join(f"{k}={v}" for k, v in params.items()) + ")"
 
 
 def plot_by_length(table: dict[str, dict[int, dict[str, dict[str, Any]]]], *, depth: int = 0,

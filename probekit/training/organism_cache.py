@@ -15,8 +15,8 @@ it by hand first, and nobody should get a half-trained or damaged one:
 - Training runs on one CPU thread whatever ``--threads`` says: the organism is too small
   to gain from more, and one thread makes a seed's weights a function of the seed and
   the machine alone (other machines' matmul kernels may still round differently).
-- A second process asking for the same organism waits for the first (a folder lock),
-  then uses its result.
+- A second process asking for the same organism waits for the first (a folder lock held
+  while it trains), then uses its result.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ import torch
 
 from probekit.core import model_cache
 from probekit.paths import cache_dir
-from probekit.runs import config_hash, identity, lock_folder
+from probekit.runs import config_hash, holding, identity
 from probekit.training.config import DataConfig, OrganismConfig, TrainConfig
+from probekit.training.train import final_validation, training_seconds
 
 #: Bumped when a change to probekit's training code changes what a recipe trains.
 RECIPE_VERSION = 3
@@ -124,11 +125,30 @@ def sealed(recipe: Recipe) -> dict[str, Any] | None:
     return rec
 
 
+def _clear_damage(folder: Path, ckpt: Path) -> None:
+    """Remove what cannot be resumed: an organism sealed once and damaged since, or an
+    interrupted training whose checkpoint is damaged (one warning line each)."""
+    from probekit.training.checkpoint import check_checkpoint
+
+    if model_cache.record(folder) is not None:
+        reason = model_cache.problem(folder)
+        warnings.warn(f"the trained organism {folder} is broken ({reason}); training it "
+                      f"again", stacklevel=3)
+        (folder / model_cache.RECORD).unlink()
+        shutil.rmtree(ckpt, ignore_errors=True)
+    elif (ckpt / "config.json").is_file():
+        try:  # an interrupted training: resume it unless its checkpoint is damaged
+            check_checkpoint(ckpt)
+        except ValueError as e:
+            warnings.warn(f"{e}; training the organism from the start", stacklevel=3)
+            shutil.rmtree(ckpt)
+
+
 def trained_organism(recipe: Recipe | None = None, *, progress: bool = True,
                      log: Callable[[str], None] | None = None) -> Path:
     """The checkpoint folder of ``recipe``'s organism (default recipe if None), trained
     first if the cache does not hold a sound one (module docstring)."""
-    from probekit.training.checkpoint import check_checkpoint, load_checkpoint
+    from probekit.training.checkpoint import load_checkpoint
     from probekit.training.organism import task_accuracy
 
     recipe = recipe or Recipe()
@@ -137,31 +157,18 @@ def trained_organism(recipe: Recipe | None = None, *, progress: bool = True,
     if sealed(recipe) is not None:
         return ckpt
     folder.mkdir(parents=True, exist_ok=True)
-    lock_folder(folder)
-    if sealed(recipe) is not None:  # another process finished it while we waited
-        return ckpt
-    if model_cache.record(folder) is not None:  # sealed once, damaged since
-        reason = model_cache.problem(folder)
-        warnings.warn(f"the trained organism {folder} is broken ({reason}); training it "
-                      f"again", stacklevel=2)
-        (folder / model_cache.RECORD).unlink()
-        shutil.rmtree(ckpt, ignore_errors=True)
-    elif (ckpt / "config.json").is_file():
-        try:  # an interrupted training: resume it unless its checkpoint is damaged
-            check_checkpoint(ckpt)
-        except ValueError as e:
-            warnings.warn(f"{e}; training the organism from the start", stacklevel=2)
-            shutil.rmtree(ckpt)
-    run = train_organism(recipe, ckpt, progress=progress, log=log)
-    loaded = load_checkpoint(ckpt)
-    accuracy = task_accuracy(loaded.model, loaded.gate, recipe.data.tasks)
-    history = run["history"]
-    model_cache.seal(folder, {
-        "recipe": identity(recipe), "steps": recipe.train.steps,
-        "recipe_version": RECIPE_VERSION,
-        "train_seconds": history[-1]["time"] if history else run["seconds"],
-        "task_accuracy": accuracy, "data": run["data"],
-        "final_val_pass_losses": next((h["val_pass_losses"] for h in reversed(history)
-                                       if "val_pass_losses" in h), None),
-    })
+    with holding(folder):  # released once sealed: a waiting process then finds it done
+        if sealed(recipe) is not None:  # another process finished it while we waited
+            return ckpt
+        _clear_damage(folder, ckpt)
+        run = train_organism(recipe, ckpt, progress=progress, log=log)
+        loaded = load_checkpoint(ckpt)
+        accuracy = task_accuracy(loaded.model, loaded.gate, recipe.data.tasks)
+        model_cache.seal(folder, {
+            "recipe": identity(recipe), "steps": recipe.train.steps,
+            "recipe_version": RECIPE_VERSION, "data_constants": data_constants(),
+            "train_seconds": training_seconds(run["history"], run["seconds"]),
+            "task_accuracy": accuracy, "data": run["data"],
+            "final_val_pass_losses": final_validation(run["history"]),
+        })
     return ckpt

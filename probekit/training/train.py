@@ -30,6 +30,17 @@ from probekit.training.data import TrainData
 from probekit.training.objective import answer_weights, evaluate, multipass_loss
 
 
+def final_validation(history: list[dict]) -> list[float] | None:
+    """The last validation losses by pass in a training ``history`` (None if none ran)."""
+    return next((h["val_pass_losses"] for h in reversed(history) if "val_pass_losses" in h),
+                None)
+
+
+def training_seconds(history: list[dict], default: float = 0.0) -> float:
+    """Training time recorded in ``history`` (all runs of a resumed training together)."""
+    return history[-1]["time"] if history else default
+
+
 def step_generator(seed: int, step: int) -> torch.Generator:
     """The generator of one step's data, pass count, mixin and jitter (resume-exact)."""
     return torch.Generator().manual_seed(seed * 1_000_003 + step)
