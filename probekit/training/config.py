@@ -172,6 +172,7 @@ class DataConfig:
         if self.n_windows < 1:
             raise ValueError(f"--n-windows must be >= 1; got {self.n_windows}")
         if not self.tasks:
-            raise ValueError("--tasks needs at least one task (completion, memory)")
+            raise ValueError("--tasks needs at least one task (completion, memory, "
+                             "registers)")
         if self.n_examples < 1:
             raise ValueError(f"--n-examples must be >= 1; got {self.n_examples}")

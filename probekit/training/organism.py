@@ -164,8 +164,8 @@ def completion_pairs(data: Dataset) -> set[frozenset[int]]:
     return out
 
 
-#: Distractor counts of the organism's probe sets (also ``probekit run state-tracking``'s
-#: default); the organism trains on 0..8, so longer inputs would test length generalisation.
+#: Distractor counts of the organism's validation probe sets (also ``probekit run
+#: state-tracking``'s default); the organism trains on 0..256 (:data:`TRAIN_DISTRACTORS`).
 PROBE_DISTRACTORS = (0, 8)
 
 
