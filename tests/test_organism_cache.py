@@ -164,3 +164,36 @@ def test_the_folder_lock_is_released_once_the_organism_is_sealed():
     with open(folder / ".lock", "a+") as f:  # another open file: as another process would
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if still held
         fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def test_a_save_interrupted_between_its_files_is_not_resumed(monkeypatch):
+    """A kill after the organism's new weights are written but before config.json would
+    otherwise resume at the old step with the new weights: the step in every file gives
+    it away, and the cache trains from the start instead, ending where an uninterrupted
+    training ends."""
+    from probekit.training import checkpoint as ck_module
+
+    recipe = small(steps=12)
+    expected = weights(trained_organism(recipe, progress=False))
+    folder = organism_folder(recipe)
+    import shutil
+
+    shutil.rmtree(folder)
+    real = ck_module.write_json
+
+    def crash_before_config(path, obj):
+        if path.name == "config.json" and obj["step"] == 8:
+            raise KeyboardInterrupt  # the organism and gate of step 8 are already on disk
+        real(path, obj)
+
+    monkeypatch.setattr(ck_module, "write_json", crash_before_config)
+    with pytest.raises(KeyboardInterrupt):
+        trained_organism(recipe, progress=False)
+    monkeypatch.setattr(ck_module, "write_json", real)
+    ckpt = folder / "checkpoint"
+    with pytest.raises(ValueError, match=r"checkpoint/model\.safetensors holds step 8 but .*"
+                                         r"config\.json says step 4 \(saving was interrupted\)"):
+        ck_module.check_checkpoint(ckpt)
+    with pytest.warns(UserWarning, match="training the organism from the start"):
+        assert trained_organism(recipe, progress=False) == ckpt
+    assert weights(ckpt) == expected

@@ -62,11 +62,14 @@ def model_identity(model) -> dict:
 
 
 # ------------------------------------------------------------------------- save
-def _write_safetensors(path: Path, tensors: dict[str, Tensor]) -> None:
+def _write_safetensors(path: Path, tensors: dict[str, Tensor], step: int) -> None:
+    """Atomically, with the training step in the header: a checkpoint whose files hold
+    different steps was interrupted while saving (:func:`check_checkpoint` refuses it)."""
     from safetensors.torch import save_file
 
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
+              metadata={"step": str(step)})
     os.replace(tmp, path)
 
 
@@ -77,13 +80,17 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, Tensor], l
     return tensors, sd["param_groups"]
 
 
-def _save_organism(folder: Path, model) -> None:
+STEP_FILE = "probekit-step.json"  # the training step of an organism folder
+
+
+def _save_organism(folder: Path, model, step: int) -> None:
     """Replace ``folder/organism`` by the model's current weights (swap, then delete)."""
     from probekit.core.models import content_hash
     from probekit.training.organism import save_organism
 
     tmp = folder / ".organism.tmp"
     save_organism(tmp, model.hf_model, model.tokenizer)
+    write_json(tmp / STEP_FILE, {"step": step})
     if (folder / "organism").exists():
         os.replace(folder / "organism", folder / ".organism.old")
     os.replace(tmp, folder / "organism")
@@ -103,13 +110,13 @@ def save_checkpoint(folder: str | Path, *, gate: FeedbackGate, model, config: Tr
                          f"--feed {config.feed}; build the gate with feed={config.feed!r}")
     folder.mkdir(parents=True, exist_ok=True)
     if config.mode == "organism":
-        _save_organism(folder, model)
+        _save_organism(folder, model, step)
     _write_safetensors(folder / "model.safetensors",
-                       {f"gate.{k}": v for k, v in gate.state_dict().items()})
+                       {f"gate.{k}": v for k, v in gate.state_dict().items()}, step)
     groups: list = []
     if optimizer is not None:
         tensors, groups = _optimizer_tensors(optimizer)
-        _write_safetensors(folder / "optimizer.safetensors", tensors)
+        _write_safetensors(folder / "optimizer.safetensors", tensors, step)
     if history is not None:
         write_json(folder / "history.json", history)
     identity = model_identity(model)
@@ -177,14 +184,26 @@ def check_checkpoint(path: str | Path) -> dict:
     weights = [path / "model.safetensors"]
     if cfg["mode"] == "organism":
         weights.append(path / "organism" / "model.safetensors")
+    steps = {}
     for f in weights:
         if not f.is_file():
             raise ValueError(f"{f} is missing; {DAMAGED}")
         try:
             with safe_open(str(f), framework="pt") as st:
                 st.keys()
+                steps[f] = (st.metadata() or {}).get("step")
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{f} is not a readable safetensors file ({e}); {DAMAGED}") from None
+    if (path / "optimizer.safetensors").is_file():
+        with safe_open(str(path / "optimizer.safetensors"), framework="pt") as st:
+            steps[path / "optimizer.safetensors"] = (st.metadata() or {}).get("step")
+    if (path / "organism" / STEP_FILE).is_file():
+        steps[path / "organism" / STEP_FILE] = json.loads(
+            (path / "organism" / STEP_FILE).read_text()).get("step")
+    for f, step in steps.items():  # older checkpoints record no step: nothing to compare
+        if step is not None and int(step) != int(cfg["step"]):
+            raise ValueError(f"{f} holds step {step} but {path / 'config.json'} says step "
+                             f"{cfg['step']} (saving was interrupted); {DAMAGED}")
     return cfg
 
 
