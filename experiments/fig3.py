@@ -19,9 +19,9 @@ from probekit.training.organism_cache import Recipe, sealed
 
 VARIANTS = {
     "default": ("default: 50/35/15% 1/2/3 passes, 4,000 steps", {}),
-    "paper-75-22-3": ("75/22/3% 1/2/3 passes, 3,000 steps",
-                      {"schedule": (0.75, 0.22, 0.03), "steps": 3000}),
-    "paper-75-25": ("75/25% 1/2 passes, 3,000 steps", {"schedule": (0.75, 0.25), "steps": 3000}),
+    "paper-75-22-3": ("75/22/3% 1/2/3 passes, 2,000 steps",
+                      {"schedule": (0.75, 0.22, 0.03), "steps": 2000}),
+    "paper-75-25": ("75/25% 1/2 passes, 2,000 steps", {"schedule": (0.75, 0.25), "steps": 2000}),
     "feed-residual": ("default, un-normed residual fed back", {"feed": "residual"}),
 }
 

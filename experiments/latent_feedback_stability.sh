@@ -2,7 +2,7 @@
 # Stability of the learned recurrence (full-bandwidth paper Fig. 3) and which state is fed
 # back (Sec. 3.3): organisms trained with the pass schedules the paper contrasts, 75% one
 # pass / 22% two / 3% three (the paper's final choice) against 75% one / 25% two, both for
-# 3,000 steps, beside probekit's default organism (50/35/15, 4,000 steps) and the default
+# 2,000 steps, beside probekit's default organism (50/35/15, 4,000 steps) and the default
 # with the un-normed top residual fed back instead of the final-normed state. Each is run
 # for 30 fused Jacobi passes (loss, ||h(k) - h(k-1)||, label accuracy per pass) and probed
 # at every depth under none / full prefill (0 and 8 distractors). Writes
@@ -21,8 +21,8 @@ PASSES=${PASSES:-30}
 
 declare -A VARIANT=(
     [default]=""
-    [paper-75-22-3]="--schedule 0.75 0.22 0.03 --steps 3000"
-    [paper-75-25]="--schedule 0.75 0.25 --steps 3000"
+    [paper-75-22-3]="--schedule 0.75 0.22 0.03 --steps 2000"
+    [paper-75-25]="--schedule 0.75 0.25 --steps 2000"
     [feed-residual]="--feed residual"
 )
 for name in default paper-75-22-3 paper-75-25 feed-residual; do
