@@ -111,7 +111,8 @@ def test_training_rows_follow_the_task_and_length_shares():
     texts = tok.batch_decode(rows)
     completion = [t for t in texts if t.startswith("required")]
     assert len(rows) == 700
-    assert len(completion) == pytest.approx(700 * TASK_SHARES["completion"] / 4, abs=4)
+    shares = TASK_SHARES["completion"] / (TASK_SHARES["completion"] + TASK_SHARES["memory"])
+    assert len(completion) == pytest.approx(700 * shares, abs=4)
     nulls = np.array([t.count("+=") for t in completion])
     total = sum(TRAIN_DISTRACTORS.values())
     for d, w in TRAIN_DISTRACTORS.items():

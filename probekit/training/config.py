@@ -23,7 +23,7 @@ MODES = ("gate", "organism")
 MODE_DEFAULTS = {
     "gate": dict(steps=200, batch_size=4, lr=1e-3, warmup=20, eval_every=50, save_every=25,
                  answer_weight=1.0, feedback_start=0, schedule=(0.75, 0.22, 0.03)),
-    "organism": dict(steps=4000, batch_size=64, lr=3e-3, warmup=100, eval_every=250,
+    "organism": dict(steps=4000, batch_size=64, lr=2e-3, warmup=200, eval_every=250,
                      save_every=100, answer_weight=20.0, feedback_start=600,
                      schedule=(0.5, 0.35, 0.15)),
 }
@@ -44,11 +44,11 @@ class TrainConfig:
     batch_tokens: int = 4096
     """most tokens per organism batch: long rows come in smaller batches"""
     lr: float | None = None
-    """peak AdamW learning rate (default: gate 0.001, organism 0.003)"""
+    """peak AdamW learning rate (default: gate 0.001, organism 0.002)"""
     weight_decay: float = 0.01
     """AdamW weight decay (matrices only)"""
     warmup: int | None = None
-    """linear warm-up steps (default: gate 20, organism 100)"""
+    """linear warm-up steps (default: gate 20, organism 200)"""
     lam: float = 1.0
     """lambda of Eq. 12: the weight of the fused passes' losses"""
     schedule: tuple[float, ...] | None = None

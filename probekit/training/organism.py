@@ -56,7 +56,7 @@ TRAIN_TASKS = ("completion", "memory")
 ORGANISM_TASKS = ("completion", "memory", "registers")
 #: Shares of the training rows by task: completion (equality of two numerals) takes a
 #: small model many more examples to learn than delayed memory.
-TASK_SHARES = {"completion": 3, "memory": 1, "registers": 2}
+TASK_SHARES = {"completion": 2, "memory": 1, "registers": 2}
 LABEL_WORDS = ("more", "done", "zero", "one")
 
 
