@@ -28,15 +28,18 @@ VARIANTS = {
 
 @dataclasses.dataclass(frozen=True)
 class Args:
-    run: Path
+    run: tyro.conf.Positional[Path]
     seed: int = 0
+    variants: tuple[str, ...] = tuple(VARIANTS)
+    """which variants ran (names of VARIANTS)"""
     out: Path = Path("figures")
 
 
 def main() -> int:
     args = tyro.cli(Args)
     curves, out = {}, {"seed": args.seed, "variants": {}}
-    for name, (label, recipe_kw) in VARIANTS.items():
+    for name in args.variants:
+        label, recipe_kw = VARIANTS[name]
         stab = json.loads((args.run / name / "stability" / "summary.json").read_text())
         st = json.loads((args.run / name / "state-tracking" / "summary.json").read_text())
         rec = sealed(Recipe.default(args.seed, **recipe_kw))

@@ -24,7 +24,7 @@ DEPTHS = (0, 1, 2, 4)
 
 @dataclasses.dataclass(frozen=True)
 class Args:
-    run: Path
+    run: tyro.conf.Positional[Path]
     seeds: tuple[int, ...] = (0, 1, 2)
     out: Path = Path("figures")
 

@@ -11,6 +11,7 @@
 # Organisms come from probekit's cache (trained there on first use, 17-23 min each).
 #
 #   experiments/latent_feedback_stability.sh      # from the repository root
+#   VARIANTS="default paper-75-25" experiments/latent_feedback_stability.sh   # a subset
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROBEKIT=${PROBEKIT:-probekit}
@@ -25,7 +26,8 @@ declare -A VARIANT=(
     [paper-75-25]="--schedule 0.75 0.25 --steps 2000"
     [feed-residual]="--feed residual"
 )
-for name in default paper-75-22-3 paper-75-25 feed-residual; do
+NAMES=${VARIANTS:-default paper-75-22-3 paper-75-25 feed-residual}
+for name in $NAMES; do
     # shellcheck disable=SC2086  # the variant's flags are words
     ckpt=$("$PYTHON" experiments/organism_checkpoint.py --seed "$SEED" ${VARIANT[$name]})
     "$PROBEKIT" feedback-stability --checkpoint "$ckpt" --passes "$PASSES" --threads 1 \
@@ -35,4 +37,5 @@ for name in default paper-75-22-3 paper-75-25 feed-residual; do
         --run-dir "$RUN/$name/state-tracking"
 done
 mkdir -p figures
-"$PYTHON" experiments/fig3.py "$RUN" --seed "$SEED"
+# shellcheck disable=SC2086
+"$PYTHON" experiments/fig3.py "$RUN" --seed "$SEED" --variants $NAMES
