@@ -18,10 +18,10 @@ from probekit.plots.stability import plot_stability_contrast
 from probekit.training.organism_cache import Recipe, sealed
 
 VARIANTS = {
-    "default": ("default: 50/35/15% 1/2/3 passes, 4,000 steps", {}),
-    "paper-75-22-3": ("75/22/3% 1/2/3 passes, 2,000 steps",
-                      {"schedule": (0.75, 0.22, 0.03), "steps": 2000}),
-    "paper-75-25": ("75/25% 1/2 passes, 2,000 steps", {"schedule": (0.75, 0.25), "steps": 2000}),
+    "default-75-22-3": ("75/22/3% 1/2/3 passes (default), 2,000 steps", {}),
+    "paper-75-25": ("75/25% 1/2 passes, 2,000 steps", {"schedule": (0.75, 0.25)}),
+    "schedule-50-35-15": ("50/35/15% 1/2/3 passes, 4,000 steps",
+                          {"schedule": (0.5, 0.35, 0.15), "steps": 4000}),
     "feed-residual": ("default, un-normed residual fed back", {"feed": "residual"}),
 }
 

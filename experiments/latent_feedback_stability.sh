@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Stability of the learned recurrence (full-bandwidth paper Fig. 3) and which state is fed
 # back (Sec. 3.3): organisms trained with the pass schedules the paper contrasts, 75% one
-# pass / 22% two / 3% three (the paper's final choice) against 75% one / 25% two, both for
-# 2,000 steps, beside probekit's default organism (50/35/15, 4,000 steps) and the default
-# with the un-normed top residual fed back instead of the final-normed state. Each is run
+# pass / 22% two / 3% three (the paper's final choice, probekit's default) against 75% one
+# / 25% two, both for 2,000 steps, beside 50/35/15 for 4,000 steps (a recipe tried on the
+# way) and the default with the un-normed top residual fed back. Each is run
 # for 30 fused Jacobi passes (loss, ||h(k) - h(k-1)||, label accuracy per pass) and probed
 # at every depth under none / full prefill (0 and 8 distractors). Writes
 #   figures/latent-feedback-fig3.png    the three variants' curves against k
 #   figures/latent-feedback-fig3.json   every curve, the probes, each organism's training record
-# Organisms come from probekit's cache (trained there on first use, 17-23 min each).
+# Organisms come from probekit's cache (trained there on first use, 11-22 min each).
 #
 #   experiments/latent_feedback_stability.sh      # from the repository root
 #   VARIANTS="default paper-75-25" experiments/latent_feedback_stability.sh   # a subset
@@ -21,12 +21,12 @@ SEED=${SEED:-0}
 PASSES=${PASSES:-30}
 
 declare -A VARIANT=(
-    [default]=""
-    [paper-75-22-3]="--schedule 0.75 0.22 0.03 --steps 2000"
-    [paper-75-25]="--schedule 0.75 0.25 --steps 2000"
+    [default-75-22-3]=""
+    [paper-75-25]="--schedule 0.75 0.25"
+    [schedule-50-35-15]="--schedule 0.5 0.35 0.15 --steps 4000"
     [feed-residual]="--feed residual"
 )
-NAMES=${VARIANTS:-default paper-75-22-3 paper-75-25 feed-residual}
+NAMES=${VARIANTS:-default-75-22-3 paper-75-25 schedule-50-35-15 feed-residual}
 for name in $NAMES; do
     # shellcheck disable=SC2086  # the variant's flags are words
     ckpt=$("$PYTHON" experiments/organism_checkpoint.py --seed "$SEED" ${VARIANT[$name]})

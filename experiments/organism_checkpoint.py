@@ -24,9 +24,9 @@ class Args:
     seed: int = 0
     """training seed"""
     schedule: tuple[float, ...] | None = None
-    """probabilities of 1, 2, 3, ... passes (default: the recipe's 0.5 0.35 0.15)"""
+    """probabilities of 1, 2, 3, ... passes (default: the recipe's 0.75 0.22 0.03)"""
     steps: int | None = None
-    """training steps (default: the recipe's 4000)"""
+    """training steps (default: the recipe's 2000)"""
     feed: Literal["normed", "residual"] = "normed"
     """which top state is fed back"""
     tasks: tuple[Literal["completion", "memory", "registers"], ...] | None = None

@@ -22,10 +22,9 @@ MODES = ("gate", "organism")
 #: (Each field's help repeats these numbers; a test checks that they agree.)
 MODE_DEFAULTS = {
     "gate": dict(steps=200, batch_size=4, lr=1e-3, warmup=20, eval_every=50, save_every=25,
-                 answer_weight=1.0, feedback_start=0, schedule=(0.75, 0.22, 0.03)),
-    "organism": dict(steps=4000, batch_size=64, lr=2e-3, warmup=200, eval_every=250,
-                     save_every=100, answer_weight=20.0, feedback_start=600,
-                     schedule=(0.5, 0.35, 0.15)),
+                 answer_weight=1.0, feedback_start=0),
+    "organism": dict(steps=2000, batch_size=64, lr=2e-3, warmup=200, eval_every=250,
+                     save_every=100, answer_weight=20.0, feedback_start=600),
 }
 
 
@@ -36,7 +35,7 @@ class TrainConfig:
     mode: Literal["gate", "organism"] = "gate"
     """gate: a gate on a frozen pretrained --model; organism: a small Llama from scratch"""
     steps: int | None = not_identity(None)
-    """total optimizer steps, resumable (default: gate 200, organism 4000)"""
+    """total optimizer steps, resumable (default: gate 200, organism 2000)"""
     batch_size: int | None = None
     """sequences per step (default: gate 4, organism 64)"""
     seq_len: int = 128
@@ -51,8 +50,8 @@ class TrainConfig:
     """linear warm-up steps (default: gate 20, organism 200)"""
     lam: float = 1.0
     """lambda of Eq. 12: the weight of the fused passes' losses"""
-    schedule: tuple[float, ...] | None = None
-    """P(1, 2, 3, ... passes) per batch (default: gate 0.75 0.22 0.03, organism 0.5 0.35 0.15)"""
+    schedule: tuple[float, ...] = (0.75, 0.22, 0.03)
+    """probabilities of 1, 2, 3, ... passes per batch (paper: 0.75 0.22 0.03)"""
     feedback_start: int | None = None
     """one pass only before this step (default: gate 0, organism 600)"""
     mixin: float = 0.5
@@ -76,8 +75,7 @@ class TrainConfig:
         check_fields(self)
         if self.mode not in MODES:
             raise ValueError(f"--mode must be one of {MODES}; got {self.mode!r}")
-        if self.schedule is not None:
-            object.__setattr__(self, "schedule", tuple(float(p) for p in self.schedule))
+        object.__setattr__(self, "schedule", tuple(float(p) for p in self.schedule))
         if self._unresolved():
             self.resolved()  # building the filled-in copy checks it (the branch below)
         else:
