@@ -15,6 +15,7 @@ from pathlib import Path
 
 import tyro
 
+from probekit.analysis.across_runs import combine_runs
 from probekit.plots.state_tracking import plot_by_length
 from probekit.training.organism_cache import Recipe, organism_folder, sealed
 
@@ -25,7 +26,7 @@ PAPER = {"completion": 0.996, "memory": 1.0}
 @dataclasses.dataclass(frozen=True)
 class Args:
     run: tyro.conf.Positional[Path]
-    """the script's run folder (one sub-folder per task and length)"""
+    """the script's run folder (seed<S>/<task>-d<count>/ per seed, task and length)"""
     counts: tuple[int, ...] = (0, 8, 32, 128, 256)
     seeds: tuple[int, ...] = (0, 1, 2)
     out: Path = Path("figures")
@@ -37,8 +38,10 @@ def main() -> int:
     seconds: dict = {}
     for task in ("completion", "memory"):
         for d in args.counts:
-            summary = json.loads((args.run / f"{task}-d{d}" / "summary.json").read_text())
-            m = summary["mechanisms"]["latent-feedback"]
+            runs = {f"latent-feedback-seed{s}": json.loads(
+                (args.run / f"seed{s}" / f"{task}-d{d}" / "summary.json").read_text())
+                for s in args.seeds}
+            m = combine_runs(runs)["mechanisms"]["latent-feedback"]
             (entry,) = m["datasets"].values()
             table.setdefault(task, {})[d] = entry["regimes"]
             seconds.setdefault(task, {})[d] = m["wall_seconds"]

@@ -4,7 +4,7 @@
 # one-step (last-1) and full recurrent prefill, for completion tracking and delayed memory
 # with 0, 8, 32, 128 and 256 null updates (the paper's counts and per-count sizes: 80
 # completion pairs, 128 memory contexts), on organisms of three training seeds. The
-# organisms come from probekit's cache, trained there on first use (~25 min each at one
+# organisms come from probekit's cache, trained there on first use (~11 min each at one
 # thread). Writes
 #   figures/latent-feedback-fig7a.png    depth-0 probe vs length; every depth at 256
 #   figures/latent-feedback-fig7a.json   every number, per seed, with the patching statistics
@@ -20,14 +20,16 @@ RUN=${RUN:-runs/latent-feedback-fig7a}
 SEEDS=${SEEDS:-0 1 2}
 COUNTS=${COUNTS:-0 8 32 128 256}
 
-for d in $COUNTS; do
-    # examples per length: completion 80 pairs x 4 assignments, memory 128 contexts x 2
-    for task_examples in completion:320 memory:256; do
-        task=${task_examples%%:*}
-        "$PROBEKIT" run state-tracking --mechanism latent-feedback --organism-seeds $SEEDS \
-            --task "$task" --examples "${task_examples##*:}" --distractors "$d" \
-            --recurrence none last-k full --k 1 --threads 1 --no-progress \
-            --run-dir "$RUN/$task-d$d"
+for seed in $SEEDS; do   # one run per seed: a seed added later reuses the others
+    for d in $COUNTS; do
+        # examples per length: completion 80 pairs x 4 assignments, memory 128 contexts x 2
+        for task_examples in completion:320 memory:256; do
+            task=${task_examples%%:*}
+            "$PROBEKIT" run state-tracking --mechanism latent-feedback --organism-seeds "$seed" \
+                --task "$task" --examples "${task_examples##*:}" --distractors "$d" \
+                --recurrence none last-k full --k 1 --threads 1 --no-progress \
+                --run-dir "$RUN/seed$seed/$task-d$d"
+        done
     done
 done
 mkdir -p figures
