@@ -7,7 +7,12 @@ import itertools
 
 import pytest
 import torch
-from engine_helpers import check_fast_path_equals_bridge, hf_log_probs, random_ids
+from engine_helpers import (
+    check_engine_equals_reference,
+    check_fast_path_equals_bridge,
+    hf_log_probs,
+    random_ids,
+)
 
 from probekit.core.engine import StepEngine
 from probekit.core.kv_cache import KVCache
@@ -170,17 +175,9 @@ LENGTHS = [10, 6, 8]
 @pytest.mark.parametrize("case,block_size,masked",
                          list(itertools.product(range(len(CASES)), [1, 3], [False, True])))
 def test_engine_equals_slow_reference(tiny_model, tiny_engine, case, block_size, masked):
-    rec = Recirculation(**CASES[case])
-    ids = random_ids(3, max(LENGTHS), seed=10 + case)
-    rows = [ids[i, :n].tolist() for i, n in enumerate(LENGTHS)]
-    g = torch.Generator().manual_seed(case)
-    mask = torch.rand(3, max(LENGTHS), generator=g) > 0.4 if masked else None
-    out = tiny_engine.run(rows, rec, mask=mask, block_size=block_size)
-    for i, n in enumerate(LENGTHS):
-        m = None if mask is None else mask[i, :n].tolist()
-        ref = reference_recirculation(tiny_model, rows[i], rec, mask=m, block_size=block_size)
-        assert torch.allclose(out.sequence_log_probs(i), ref, atol=ATOL), (i, case)
-        assert torch.isnan(out.log_probs[i, n - 1 :]).all()  # padding is NaN, never a number
+    check_engine_equals_reference(tiny_model, tiny_engine, Recirculation(**CASES[case]), LENGTHS,
+                                  seed=10 + case, mask_seed=case, block_size=block_size,
+                                  masked=masked, atol=ATOL)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, [2, 5, 3, 2]])

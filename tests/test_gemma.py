@@ -11,7 +11,12 @@ import itertools
 
 import pytest
 import torch
-from engine_helpers import check_fast_path_equals_bridge, hf_log_probs, random_ids
+from engine_helpers import (
+    check_engine_equals_reference,
+    check_fast_path_equals_bridge,
+    hf_log_probs,
+    random_ids,
+)
 
 from probekit.core import architecture, models
 from probekit.core.backends.lens import LensBackend
@@ -19,7 +24,6 @@ from probekit.core.engine import StepEngine
 from probekit.core.kv_cache import KVCache
 from probekit.core.models import ModelNotFoundError, load_model
 from probekit.mechanisms.recirculation import Recirculation, RecirculationPath
-from probekit.mechanisms.reference import reference_recirculation
 
 ATOL = 2e-5
 WINDOW = 4
@@ -139,17 +143,9 @@ LENGTHS = [11, 6, 9]  # ragged, longest > 2 windows
 @pytest.mark.parametrize("case,block_size,masked",
                          list(itertools.product(range(len(CASES)), [1, 3], [False, True])))
 def test_engine_equals_slow_reference(gemma, engine, case, block_size, masked):
-    rec = Recirculation(**CASES[case])
-    ids = random_ids(3, max(LENGTHS), seed=20 + case)
-    rows = [ids[i, :n].tolist() for i, n in enumerate(LENGTHS)]
-    g = torch.Generator().manual_seed(case)
-    mask = torch.rand(3, max(LENGTHS), generator=g) > 0.4 if masked else None
-    out = engine.run(rows, rec, mask=mask, block_size=block_size)
-    for i, n in enumerate(LENGTHS):
-        m = None if mask is None else mask[i, :n].tolist()
-        ref = reference_recirculation(gemma, rows[i], rec, mask=m, block_size=block_size)
-        assert torch.allclose(out.sequence_log_probs(i), ref, atol=ATOL), (i, case)
-        assert torch.isnan(out.log_probs[i, n - 1:]).all()
+    check_engine_equals_reference(gemma, engine, Recirculation(**CASES[case]), LENGTHS,
+                                  seed=20 + case, mask_seed=case, block_size=block_size,
+                                  masked=masked, atol=ATOL)
 
 
 def test_fast_block_path_equals_the_bridge(engine, bridge_engine, monkeypatch):
