@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The rest of the recirculation studies on Gemma 3 270M (issue 10; docs/gemma3.md), at the
 # model-relative rule pair (s, d) = (12, 6) unless said: the paper's four alphas (convex and
-# beta = 1), the normalisation off (--norm none), a 10-token ramp, temperature against
+# beta = 1) at the rule pair and as (s, d) heatmaps beside the looping baseline, the
+# normalisation off (--norm none), a 10-token ramp, temperature against
 # recirculation (recirculation paper Sec. 4.4.2), the lag curve and (t, k) map, part-of-
 # speech attribution and the state-tracking probes. Sizes fit the 2-core CPU box (one
 # thread); every run is resumable and goes to runs/gemma3-*. The perplexity runs use the
@@ -38,6 +39,32 @@ out = {name: json.load(open(f"runs/gemma3-ppl-{name}/summary.json")) for name in
 json.dump(out, open("figures/gemma3-more.json", "w"), indent=1)
 print("wrote figures/gemma3-more.json")
 PY
+
+# The (s, d) heatmap at the paper's other two alphas (0.04 and 0.1 are in
+# experiments/gemma3_studies.sh) beside the looping baseline, and the no-norm scheme at all
+# four, on the same tuning windows 0-2 and the same 26 pairs.
+"$PROBEKIT" sweep "${M[@]}" --corpus wiki --windows 3 --window-tokens 128 --pairs max-gap \
+    --alphas 0.07 0.16 --norms convex beta1 --looping --rows 48 --run-dir runs/gemma3-sweep-alphas
+cp runs/gemma3-sweep-alphas/sweep.png figures/gemma3-sweep-alphas.png
+cp runs/gemma3-sweep-alphas/looping.png figures/gemma3-looping.png
+cp runs/gemma3-sweep-alphas/summary.json figures/gemma3-sweep-alphas.json
+"$PROBEKIT" sweep "${M[@]}" --corpus wiki --windows 3 --window-tokens 128 --pairs max-gap \
+    --alphas 0.04 0.07 0.1 0.16 --norms none --rows 48 --run-dir runs/gemma3-sweep-norm-none
+cp runs/gemma3-sweep-norm-none/sweep.png figures/gemma3-sweep-norm-none.png
+cp runs/gemma3-sweep-norm-none/summary.json figures/gemma3-sweep-norm-none.json
+# the best cell of the whole tuning grid (26 pairs x 4 alphas x 3 schemes, with
+# experiments/gemma3_studies.sh's figures/gemma3-sweep.json) on the held-out windows 3-11
+read -r S D A F < <("$PYTHON" -c "
+import json
+cells = [json.load(open(f'figures/gemma3-sweep{x}.json'))['best'] for x in ('', '-alphas', '-norm-none')]
+b = min(cells, key=lambda c: c['percent_change'])
+flag = {'convex': '', 'beta1': '--beta=1', 'none': '--norm=none'}[b['scheme']]
+print(b['source'], b['destination'], b['alpha'], flag or '-')")
+FLAG=(); [ "$F" != - ] && FLAG=("$F")
+"$PROBEKIT" perplexity "${M[@]}" "${W[@]}" --source "$S" --destination "$D" --alpha "$A" \
+    "${FLAG[@]}" --run-dir runs/gemma3-ppl-grid-best
+"$PYTHON" experiments/gemma3_heldout.py runs/gemma3-ppl-grid-best 3 \
+    figures/gemma3-perplexity-grid-best.json
 
 "$PROBEKIT" lag-analysis "${M[@]}" --alpha 0.1 --corpus wiki --windows 4 --window-tokens 128 \
     --max-lag 32 --positions 0:20 20:95:5 --batch-size 4 --run-dir runs/gemma3-lag
