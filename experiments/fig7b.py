@@ -2,7 +2,7 @@
 per sweep condition at depths 0, 1, 2 and 4 for every prefill regime (mean and min-max
 over organism seeds), the paper's three claims checked, every number in one JSON.
 
-    python experiments/fig7b.py runs/latent-feedback-fig7b --seeds 0 1 2
+    python experiments/fig7b.py runs/latent-feedback-fig7b --seeds 0 1 2 --steps 4000
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ DEPTHS = (0, 1, 2, 4)
 class Args:
     run: tyro.conf.Positional[Path]
     seeds: tuple[int, ...] = (0, 1, 2)
+    steps: int = 4000
+    """training steps of the register organisms (the script's STEPS)"""
+    tasks: tuple[str, ...] = ("registers",)
+    """training tasks of the register organisms (the script's TASKS)"""
     out: Path = Path("figures")
 
 
@@ -37,7 +41,7 @@ def main() -> int:
             (args.run / f"seed{s}" / sweep / "summary.json").read_text()) for s in args.seeds}
         combined[sweep] = combine_runs(runs)["mechanisms"]["latent-feedback"]
     claims = _claims(combined)
-    organisms = {s: {k: sealed(Recipe.default(s, tasks=("registers",)))[k]
+    organisms = {s: {k: sealed(Recipe.default(s, tasks=args.tasks, steps=args.steps))[k]
                      for k in ("train_seconds", "task_accuracy", "steps")} for s in args.seeds}
     out = {"seeds": list(args.seeds), "organisms": organisms, "claims": claims,
            "results": {sweep: c["datasets"] for sweep, c in combined.items()},

@@ -5,7 +5,9 @@
 # writes per register, 180 / 276 / 468 tokens, 2,048 examples each) under standard, last-k
 # (k = 1, 2, 4) and full recurrent prefill, probed at every depth, with App. F's matched
 # pairs (same history, different queried register) for patching. The organisms are trained
-# on register tracking (`--tasks registers`; probekit's cache, ~20 min each). Writes
+# on register tracking (`--tasks registers`; probekit's cache) for STEPS steps: 4,000, since
+# at the 2,000 of the completion/memory recipe seed 0 never left chance (docs/latent-
+# feedback.md). Writes
 #   figures/latent-feedback-fig7b.png    probe accuracy per condition, depth and regime
 #   figures/latent-feedback-fig7b.json   every number per seed, patching statistics included
 #
@@ -17,9 +19,13 @@ PROBEKIT=${PROBEKIT:-probekit}
 PYTHON=${PYTHON:-python}
 RUN=${RUN:-runs/latent-feedback-fig7b}
 SEEDS=${SEEDS:-0 1 2}
+STEPS=${STEPS:-4000}
+TASKS=${TASKS:-registers}   # the organism's training tasks, e.g. "completion memory registers"
 
 for seed in $SEEDS; do
-    ckpt=$("$PYTHON" experiments/organism_checkpoint.py --seed "$seed" --tasks registers)
+    # shellcheck disable=SC2086  # TASKS is a list of words
+    ckpt=$("$PYTHON" experiments/organism_checkpoint.py --seed "$seed" --tasks $TASKS \
+        --steps "$STEPS")
     for sweep_examples in register-sweep:3840 overwrite-sweep:6144; do
         sweep=${sweep_examples%%:*}
         "$PROBEKIT" run state-tracking --mechanism latent-feedback --checkpoint "$ckpt" \
@@ -29,4 +35,5 @@ for seed in $SEEDS; do
     done
 done
 mkdir -p figures
-"$PYTHON" experiments/fig7b.py "$RUN" --seeds $SEEDS
+# shellcheck disable=SC2086
+"$PYTHON" experiments/fig7b.py "$RUN" --seeds $SEEDS --steps "$STEPS" --tasks $TASKS

@@ -239,7 +239,7 @@ def training_examples(
     texts: list[str] = []
     for i, name in enumerate(tasks):
         per_task = -(-n_examples * TASK_SHARES[name] // sum(TASK_SHARES[t] for t in tasks))
-        if name == "registers":  # varied register counts and writes, 0..8 null updates
+        if name == "registers":  # varied register counts and writes, 0..50 null updates
             texts += registers.training_texts(per_task, seed=seed * 1_000_000 + i * 100_000)
             continue
         for j, (d, w) in enumerate(weights.items()):
