@@ -66,14 +66,14 @@ FLAG=(); [ "$F" != - ] && FLAG=("$F")
 "$PYTHON" experiments/gemma3_heldout.py runs/gemma3-ppl-grid-best 3 \
     figures/gemma3-perplexity-grid-best.json
 
-"$PROBEKIT" lag-analysis "${M[@]}" --alpha 0.1 --corpus wiki --windows 4 --window-tokens 128 \
+"$PROBEKIT" lag-analysis "${M[@]}" --alpha 0.1 --corpus wiki --windows 32 --window-tokens 128 \
     --max-lag 32 --positions 0:20 20:95:5 --batch-size 4 --run-dir runs/gemma3-lag
 cp runs/gemma3-lag/lag_analysis.png figures/gemma3-lag.png
 cp runs/gemma3-lag/summary.json figures/gemma3-lag.json
 
 "$PROBEKIT" setup
 "$PROBEKIT" pos-attribution "${M[@]}" --alpha 0.1 --corpus wiki --window-tokens 128 \
-    --windows 8 --batch-size 8 --selective none --run-dir runs/gemma3-pos
+    --windows 32 --batch-size 8 --selective none --run-dir runs/gemma3-pos
 cp runs/gemma3-pos/pos_attribution.png figures/gemma3-pos.png
 cp runs/gemma3-pos/summary.json figures/gemma3-pos.json
 

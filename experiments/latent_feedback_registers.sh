@@ -5,9 +5,10 @@
 # writes per register, 180 / 276 / 468 tokens, 2,048 examples each) under standard, last-k
 # (k = 1, 2, 4) and full recurrent prefill, probed at every depth, with App. F's matched
 # pairs (same history, different queried register) for patching. The organisms are trained
-# on register tracking (`--tasks registers`; probekit's cache) for STEPS steps: 4,000, since
-# at the 2,000 of the completion/memory recipe seed 0 never left chance (docs/latent-
-# feedback.md). Writes
+# on TASKS (default `--tasks registers`; probekit's cache) for STEPS steps (default 4,000).
+# In our runs no such organism learned the task (seed 0: 2,000 and 4,000 steps, registers
+# alone or with completion and memory; docs/latent-feedback.md), so check the printed task
+# accuracy before reading the probes. Writes
 #   figures/latent-feedback-fig7b.png    probe accuracy per condition, depth and regime
 #   figures/latent-feedback-fig7b.json   every number per seed, patching statistics included
 #
