@@ -7,8 +7,10 @@
 # speech attribution and the state-tracking probes. Sizes fit the 2-core CPU box (one
 # thread); every run is resumable and goes to runs/gemma3-*. The perplexity runs use the
 # same 12 x 128-token wiki windows as experiments/gemma3_studies.sh (windows 3-11 held out
-# from its sweep). Writes figures/gemma3-more.json (every perplexity result) and copies the
-# lag, PoS and state-tracking figures to figures/gemma3-*.
+# from its sweep). Writes figures/gemma3-more.json (every rule-pair perplexity result),
+# the sweep and looping heatmaps (gemma3-sweep-alphas, gemma3-sweep-norm-none,
+# gemma3-looping), the grid's best cell on held-out windows (gemma3-perplexity-grid-best)
+# and the lag, PoS and state-tracking figures, all under figures/gemma3-*. About 45 min.
 #
 #   experiments/gemma3_more.sh        # from the repository root, after ./setup.sh
 set -euo pipefail
