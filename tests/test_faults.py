@@ -80,8 +80,11 @@ def cli(*args: str) -> tuple[int, str, str]:
 
 
 def spawn(*args: str) -> subprocess.Popen:
+    # SIGINT as a terminal's Ctrl-C delivers it: a test runner started as a background
+    # job inherits SIGINT ignored, and Python then never raises KeyboardInterrupt
     return subprocess.Popen([*PROBEKIT, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def recorded(run_dir: Path) -> list[str]:
@@ -130,28 +133,25 @@ def only_run_dir(root: Path, exclude=()) -> Path:
 
 # --------------------------------------------------------------- kill, Ctrl-C, resume
 def test_perplexity_killed_then_interrupted_resumes_to_the_uninterrupted_result(work):
-    # 12 one-window parts: on a loaded machine a few parts can land between the poll that
-    # sees the first and the kill, and the Ctrl-C must still find parts left to do
-    ppl = (*PPL[:PPL.index("--windows") + 1], "12", *PPL[PPL.index("--windows") + 2:])
     run = work / "r"
-    killed = spawn(*ppl, "--run-dir", "r")
+    killed = spawn(*PPL, "--run-dir", "r")
     signal_after_parts(killed, run, 1, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
     done = len(set(recorded(run)))
-    assert 1 <= done <= 8, f"the kill landed after {done} of 12 parts"  # killed mid-run
+    assert 1 <= done < 6  # killed mid-run
 
-    again = spawn(*ppl, "--run-dir", "r")  # resumes, then Ctrl-C
+    again = spawn(*PPL, "--run-dir", "r")  # resumes, then Ctrl-C
     err = signal_after_parts(again, run, done + 1, signal.SIGINT)
     assert again.returncode == 130
     lines = [x for x in err.splitlines() if x.strip() and not x.startswith("probekit: warning:")]
     assert lines == [f"probekit perplexity: {INTERRUPTED}"]
-    assert len(set(recorded(run))) < 12
+    assert len(set(recorded(run))) < 6
 
-    status, out, _ = cli(*ppl, "--run-dir", "r")  # finishes from the saved parts
+    status, out, _ = cli(*PPL, "--run-dir", "r")  # finishes from the saved parts
     assert status == 0 and "wrote r/summary.json" in out
-    assert cli(*ppl, "--run-dir", "ref")[0] == 0  # uninterrupted, elsewhere
+    assert cli(*PPL, "--run-dir", "ref")[0] == 0  # uninterrupted, elsewhere
     assert summary(run) == summary(work / "ref")
-    assert sorted(set(recorded(run))) == [f"batch{i:05d}" for i in range(12)]
+    assert sorted(set(recorded(run))) == [f"batch{i:05d}" for i in range(6)]
     with np.load(run / "token_log_probs.npz") as a, np.load(work / "ref/token_log_probs.npz") as b:
         assert all(np.array_equal(a[k], b[k]) for k in ("base", "rec", "input_ids"))
 
