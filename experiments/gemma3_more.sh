@@ -56,15 +56,9 @@ cp runs/gemma3-sweep-norm-none/sweep.png figures/gemma3-sweep-norm-none.png
 cp runs/gemma3-sweep-norm-none/summary.json figures/gemma3-sweep-norm-none.json
 # the best cell of the whole tuning grid (26 pairs x 4 alphas x 3 schemes, with
 # experiments/gemma3_studies.sh's figures/gemma3-sweep.json) on the held-out windows 3-11
-read -r S D A F < <("$PYTHON" -c "
-import json
-cells = [json.load(open(f'figures/gemma3-sweep{x}.json'))['best'] for x in ('', '-alphas', '-norm-none')]
-b = min(cells, key=lambda c: c['percent_change'])
-flag = {'convex': '', 'beta1': '--beta=1', 'none': '--norm=none'}[b['scheme']]
-print(b['source'], b['destination'], b['alpha'], flag or '-')")
-FLAG=(); [ "$F" != - ] && FLAG=("$F")
-"$PROBEKIT" perplexity "${M[@]}" "${W[@]}" --source "$S" --destination "$D" --alpha "$A" \
-    "${FLAG[@]}" --run-dir runs/gemma3-ppl-grid-best
+read -r -a BEST < <("$PYTHON" experiments/sweep_best.py figures/gemma3-sweep.json \
+    figures/gemma3-sweep-alphas.json figures/gemma3-sweep-norm-none.json)
+"$PROBEKIT" perplexity "${M[@]}" "${W[@]}" "${BEST[@]}" --run-dir runs/gemma3-ppl-grid-best
 "$PYTHON" experiments/gemma3_heldout.py runs/gemma3-ppl-grid-best 3 \
     figures/gemma3-perplexity-grid-best.json
 

@@ -38,10 +38,7 @@ cp runs/gemma3-sweep-grid/sweep.png figures/gemma3-sweep.png
 cp runs/gemma3-sweep-grid/summary.json figures/gemma3-sweep.json
 
 # 3. The sweep's best cell on the 12 x 128 windows; the held-out split is windows 3-11.
-read -r S D A B < <("$PYTHON" -c "
-import json; b = json.load(open('figures/gemma3-sweep.json'))['best']
-print(b['source'], b['destination'], b['alpha'], 1 if b['scheme'] == 'beta1' else 'convex')")
-BETA=(); [ "$B" = 1 ] && BETA=(--beta 1)
-"$PROBEKIT" perplexity "${M[@]}" "${C[@]}" --windows 12 --window-tokens 128 --source "$S" \
-    --destination "$D" --alpha "$A" "${BETA[@]}" --run-dir runs/gemma3-ppl-best
+read -r -a BEST < <("$PYTHON" experiments/sweep_best.py figures/gemma3-sweep.json)
+"$PROBEKIT" perplexity "${M[@]}" "${C[@]}" --windows 12 --window-tokens 128 "${BEST[@]}" \
+    --run-dir runs/gemma3-ppl-best
 "$PYTHON" experiments/gemma3_heldout.py runs/gemma3-ppl-best 3 figures/gemma3-perplexity-best.json

@@ -6,12 +6,12 @@
 # way) and the default with the un-normed top residual fed back. Each is run
 # for 30 fused Jacobi passes (loss, ||h(k) - h(k-1)||, label accuracy per pass) and probed
 # at every depth under none / full prefill (0 and 8 distractors). Writes
-#   figures/latent-feedback-fig3.png    the three variants' curves against k
+#   figures/latent-feedback-fig3.png    the variants' curves against k
 #   figures/latent-feedback-fig3.json   every curve, the probes, each organism's training record
 # Organisms come from probekit's cache (trained there on first use, 11-22 min each).
 #
 #   experiments/latent_feedback_stability.sh      # from the repository root
-#   VARIANTS="default paper-75-25" experiments/latent_feedback_stability.sh   # a subset
+#   VARIANTS="default-75-22-3 paper-75-25" experiments/latent_feedback_stability.sh  # some
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROBEKIT=${PROBEKIT:-probekit}

@@ -50,7 +50,7 @@ def check_engine_equals_reference(model, engine, rec, lengths, *, seed, mask_see
     never a number."""
     from probekit.mechanisms.reference import reference_recirculation
 
-    ids = random_ids(3, max(lengths), seed=seed)
+    ids = random_ids(len(lengths), max(lengths), seed=seed)
     rows = [ids[i, :n].tolist() for i, n in enumerate(lengths)]
     g = torch.Generator().manual_seed(mask_seed)
     mask = torch.rand(len(lengths), max(lengths), generator=g) > 0.4 if masked else None
