@@ -3,7 +3,7 @@ accuracy against length for every task and regime (mean and min-max over organis
 seeds), with every number, the patching statistics and each organism's training record
 in one JSON.
 
-    python experiments/fig7a.py runs/latent-feedback-fig7a --counts 0 8 32 128 256 --seeds 0 1 2
+    python experiments/fig7a.py runs/latent-feedback-fig7a --counts 0 8 32 128 256 --seeds 0 1 3
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class Args:
     run: tyro.conf.Positional[Path]
     """the script's run folder (seed<S>/<task>-d<count>/ per seed, task and length)"""
     counts: tuple[int, ...] = (0, 8, 32, 128, 256)
-    seeds: tuple[int, ...] = (0, 1, 2)
+    seeds: tuple[int, ...] = (0, 1, 3)
     out: Path = Path("figures")
 
 

@@ -17,7 +17,9 @@ cd "$(dirname "$0")/.."
 PROBEKIT=${PROBEKIT:-probekit}  # run inside the venv (or set PROBEKIT)
 PYTHON=${PYTHON:-python}
 RUN=${RUN:-runs/latent-feedback-fig7a}
-SEEDS=${SEEDS:-0 1 2}
+# seed 2 does not learn the tasks (docs/latent-feedback.md: a failed training, reported
+# there, left out of the figure); seed 3 took its place
+SEEDS=${SEEDS:-0 1 3}
 COUNTS=${COUNTS:-0 8 32 128 256}
 
 for seed in $SEEDS; do   # one run per seed: a seed added later reuses the others

@@ -63,7 +63,7 @@ unpadded, whose schedules are never one of the probe sets' schedules
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -84,9 +84,21 @@ PROBE_GROUPS = 128
 #: Shapes of the training text: registers, writes per register, null updates.
 TRAINING_REGISTERS = (1, 2, 4, 8)
 TRAINING_WRITES = (1, 2, 4, 8, 16)
-#: Null-update counts of training rows: up to the 50 lines that pad the 468-token sweep
-#: inputs, so the sweeps' padded shape is a trained one
-TRAINING_DISTRACTORS = tuple(range(51))
+#: Null-update counts of training rows, with their weights: up to the 50 lines that pad the
+#: 468-token sweep inputs, so the sweeps' padded shape is a trained one, but mostly short
+#: (0-8 take 63% of the rows). Short rows teach the task: with counts uniform over 0-50 an
+#: organism still missed even a single register written once after 1,400 steps; with
+#: mostly short rows it had it by step 800 (docs/latent-feedback.md).
+TRAINING_DISTRACTOR_WEIGHTS = {**dict.fromkeys(range(9), 8), **dict.fromkeys(range(9, 51), 1)}
+TRAINING_DISTRACTORS = tuple(TRAINING_DISTRACTOR_WEIGHTS)
+#: Intermediate reads in the training rows: this share of the rows (the rest have the probe
+#: sets' exact shape) follows each assignment, with probability TRAINING_READ_RATE, by a
+#: read of a register written so far, ``query = r2\nValue: one``. One final answer per
+#: row taught too little: organisms trained on such rows stayed near chance after 4,000
+#: steps (docs/latent-feedback.md). Reads give every row many latest-write targets, the
+#: dense supervision of multi-query associative recall (Arora et al. 2023, "Zoology").
+TRAINING_READ_ROWS = 0.5
+TRAINING_READ_RATE = 0.5
 
 Schedule = list[tuple[int, int]]
 
@@ -96,9 +108,21 @@ def register_text(
     scratch: int,
     distractors: int,
     query: int,
+    reads: Sequence[tuple[int, int]] = (),
 ) -> tuple[str, str]:
-    """(head, tail) of one input: the padding block, if any, goes between them."""
-    lines = [f"r{reg} = {value}" for reg, value in schedule]
+    """(head, tail) of one input: the padding block, if any, goes between them.
+
+    ``reads``: ``(i, register)`` inserts a read of ``register`` with its answer after the
+    ``i``-th assignment (training text only; the probe sets have none)."""
+    after: dict[int, list[int]] = {}
+    for i, reg in reads:
+        after.setdefault(i, []).append(reg)
+    lines = []
+    for i, (reg, value) in enumerate(schedule):
+        lines.append(f"r{reg} = {value}")
+        for read in after.get(i, ()):
+            bit = latest_value(schedule[: i + 1], read)
+            lines += [f"query = r{read}", f"Value: {LABEL_WORDS[bit]}"]
     lines += scratch_lines(scratch, distractors)
     return "\n".join(lines) + "\n", f"query = r{query}\nValue:"
 
@@ -287,7 +311,9 @@ def training_examples(
     register_counts: Sequence[int] = TRAINING_REGISTERS,
     writes: Sequence[int] = TRAINING_WRITES,
     max_assignments: int = 64,
-    distractors: Sequence[int] = TRAINING_DISTRACTORS,
+    distractors: Mapping[int, int] | Sequence[int] = TRAINING_DISTRACTOR_WEIGHTS,
+    read_rows: float = TRAINING_READ_ROWS,
+    read_rate: float = TRAINING_READ_RATE,
     exclude_probe_schedules: bool = True,
 ) -> list[Example]:
     """``n_examples`` independent register inputs of varied shape, for training.
@@ -296,12 +322,17 @@ def training_examples(
     writes per register from those ``w`` in ``writes`` with ``m * w <= max_assignments``;
     a random schedule (redrawn while it is one of :func:`probe_schedules`, if
     ``exclude_probe_schedules``); the scratch start 0..9; the null-update count from
-    ``distractors``; the queried register. No padding and no tokenizer: the text is
-    :func:`register_text`'s (input ending at ``Value:``), ``group`` is the example's
-    index, nothing is paired. Deterministic in ``seed``, drawn from a stream of its own.
+    ``distractors`` (counts -> weights, or counts of equal weight); the queried register;
+    with probability ``read_rows``, intermediate reads: after each assignment, with
+    probability ``read_rate``, a read of a register uniformly drawn from those written so
+    far (``condition["reads"]`` counts them). No
+    padding and no tokenizer: the text is :func:`register_text`'s (input ending at
+    ``Value:``), ``group`` is the example's index, nothing is paired. Deterministic in
+    ``seed``, drawn from a stream of its own.
 
     Raises:
-        ValueError: on an empty or non-positive size, or an ``m`` no ``w`` fits.
+        ValueError: on an empty or non-positive size, an ``m`` no ``w`` fits, or a read
+            probability outside [0, 1].
     """
     if n_examples < 1:
         raise ValueError(f"n_examples must be >= 1; got {n_examples}")
@@ -310,11 +341,17 @@ def training_examples(
                          f"{list(register_counts)} and {list(writes)}")
     if not distractors or min(distractors) < 0:
         raise ValueError(f"distractors must be counts >= 0; got {list(distractors)}")
+    for name, p in (("read_rows", read_rows), ("read_rate", read_rate)):
+        if not 0 <= p <= 1:
+            raise ValueError(f"{name} must lie in [0, 1]; got {p}")
     allowed = {m: [w for w in writes if m * w <= max_assignments] for m in register_counts}
     bad = [m for m, ws in allowed.items() if not ws]
     if bad:
         raise ValueError(f"max_assignments={max_assignments} leaves no writes for m={bad[0]}"
                          f" (writes {list(writes)})")
+    weights = distractors if isinstance(distractors, Mapping) else dict.fromkeys(distractors, 1)
+    counts = np.array(list(weights))
+    shares = np.array(list(weights.values()), dtype=float) / sum(weights.values())
     excluded = probe_schedules() if exclude_probe_schedules else frozenset()
     rng = np.random.default_rng((seed, TRAINING_STREAM))
     out = []
@@ -324,16 +361,24 @@ def training_examples(
         schedule = random_schedule(rng, m, w)
         while tuple(schedule) in excluded:  # rare: <= 256 of a shape's >= 65,536
             schedule = random_schedule(rng, m, w)
-        scratch, d = int(rng.integers(0, 10)), int(rng.choice(distractors))
+        scratch, d = int(rng.integers(0, 10)), int(rng.choice(counts, p=shares))
         query = int(rng.integers(0, m))
-        head, tail = register_text(schedule, scratch, d, query)
+        reads = []
+        if rng.random() < read_rows:
+            written: list[int] = []
+            for j, (reg, _) in enumerate(schedule):
+                written += [] if reg in written else [reg]
+                if rng.random() < read_rate:
+                    reads.append((j, written[int(rng.integers(0, len(written)))]))
+        head, tail = register_text(schedule, scratch, d, query, reads)
         if rng.random() < 0.5:  # the sweeps' padding remainder line, "# pad pad ..."
             head += "#" + " pad" * int(rng.integers(0, 6)) + "\n"
         bit = latest_value(schedule, query)
         out.append(Example(
             text=head + tail, label=LABEL_WORDS[bit], label_id=bit, group=i,
             task="registers-train",
-            condition={"m": m, "writes_per_register": w, "distractors": d, "query": query},
+            condition={"m": m, "writes_per_register": w, "distractors": d, "query": query,
+                       "reads": len(reads)},
         ))
     return out
 

@@ -538,6 +538,11 @@ def test_organism_tokenizer_fits_every_task():
     assert tok.unk_token_id not in ids
     data = make_task("registers", tok)  # validates the task's invariants for tok
     assert all(tok.unk_token_id not in r for r in tok(data.texts)["input_ids"])
+    from synthetic.registers import training_texts  # training rows, reads included
+
+    rows = training_texts(200, seed=0)
+    assert sum("Value: " in r for r in rows) > 50
+    assert all(tok.unk_token_id not in r for r in tok(rows)["input_ids"])
 
 
 def test_train_feedback_cli_writes_and_resumes(tmp_path, capsys):

@@ -136,6 +136,23 @@ def test_the_recipe_key_follows_every_field_that_decides_the_weights():
         Recipe(train=TrainConfig(mode="gate"))
 
 
+def test_register_row_constants_key_only_the_recipes_that_train_on_registers(monkeypatch):
+    """Changing how register rows are drawn must retrain register organisms and leave
+    every other recipe's cached organism (and its key) alone."""
+    from synthetic import registers
+
+    plain, mixed = Recipe.default(0), Recipe.default(0, tasks=("completion", "registers"))
+    keys = plain.key(), mixed.key()
+    monkeypatch.setattr(registers, "TRAINING_READ_RATE", 0.25)
+    assert plain.key() == keys[0] and mixed.key() != keys[1]
+    monkeypatch.undo()
+    monkeypatch.setattr(registers, "TRAINING_DISTRACTOR_WEIGHTS", {0: 1, 50: 1})
+    assert plain.key() == keys[0] and mixed.key() != keys[1]
+    # the default recipe's key is the one its organisms have been cached under so far
+    monkeypatch.undo()
+    assert plain.key() == "fbbf51d681"
+
+
 def test_seal_records_every_file_and_problem_finds_a_missing_one(tmp_path):
     folder = tmp_path / "f"
     (folder / "sub").mkdir(parents=True)

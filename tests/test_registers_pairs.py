@@ -217,16 +217,29 @@ def test_training_examples_cover_the_shapes_evenly():
         assert abs((ms == m).mean() - 1 / 4) < 0.03
         n_writes = 4 if m == 8 else 5  # m = 8 with 16 writes exceeds 64 assignments
         assert abs((ws[ms == m] == 8).mean() - 1 / n_writes) < 0.06
-    assert np.abs(np.bincount(ds, minlength=51) / n - 1 / 51).max() < 0.01
+    # null updates: 0-8 eight times as often as each of 9-50
+    share = np.array([8] * 9 + [1] * 42) / 114
+    assert np.abs(np.bincount(ds, minlength=51) / n - share).max() < 0.015
+    assert set(training_examples(300, seed=0, distractors=(3, 5))[i].condition["distractors"]
+               for i in range(300)) == {3, 5}
     padded = np.array(["#" in e.text for e in examples])
     assert abs(padded.mean() - 0.5) < 0.03  # the sweeps' "# pad ..." line, half the rows
     assert abs(np.mean([e.label_id for e in examples]) - 0.5) < 0.03
     assert (ms * ws <= 64).all()
+    # half the rows carry intermediate reads, after about half of their assignments (a
+    # read row of >= 8 assignments has none with probability 2^-8)
+    reads = np.array([e.condition["reads"] for e in examples])
+    long = ms * ws >= 8
+    assert abs((reads[long] > 0).mean() - 0.5) < 0.04
+    assert abs(reads[long & (reads > 0)].sum() / (ms * ws)[long & (reads > 0)].sum() - 0.5) < 0.02
+    plain = training_examples(200, seed=0, read_rows=0.0)
+    assert all(e.condition["reads"] == 0 and "Value: " not in e.text for e in plain)
 
 
 def test_training_example_format_and_labels():
-    pattern = (r"((?:r\d = [01]\n)+)scratch = \d\n((?:scratch \+= 0\n)*)(?:#(?: pad)*\n)?"
-               r"query = r(\d)\nValue:")
+    pattern = (r"((?:r\d = [01]\n(?:query = r\d\nValue: (?:zero|one)\n)*)+)scratch = \d\n"
+               r"((?:scratch \+= 0\n)*)(?:#(?: pad)*\n)?query = r(\d)\nValue:")
+    read = re.compile(r"^query = r(\d)\nValue: (zero|one)$", re.MULTILINE)
     for ex in training_examples(500, seed=2):
         writes, nulls, query = re.fullmatch(pattern, ex.text).groups()
         schedule = schedule_of(writes)
@@ -236,6 +249,15 @@ def test_training_example_format_and_labels():
         assert int(query) == ex.condition["query"] < m
         assert ex.label == ("zero", "one")[latest_value(schedule, int(query))]
         assert ex.pair == -1
+        # every intermediate read answers with the register's latest value so far, and
+        # reads only registers already written
+        reads = list(read.finditer(writes))
+        assert len(reads) == ex.condition["reads"]
+        for r in reads:
+            so_far = schedule_of(writes[: r.start()])
+            reg = int(r.group(1))
+            assert reg in {q for q, _ in so_far}
+            assert r.group(2) == ("zero", "one")[latest_value(so_far, reg)]
 
 
 def test_max_assignments_limits_the_writes():
@@ -249,6 +271,8 @@ def test_max_assignments_limits_the_writes():
         training_examples(0)
     with pytest.raises(ValueError, match="distractors must be counts >= 0"):
         training_examples(3, distractors=())
+    with pytest.raises(ValueError, match=r"read_rate must lie in \[0, 1\]; got 1.5"):
+        training_examples(3, read_rate=1.5)
 
 
 def test_probe_schedules_are_those_of_the_probe_sets(tasks):

@@ -68,19 +68,29 @@ class Recipe:
         # the step count is no part of a run's identity (train-feedback resumes to more
         # steps), but it is of a trained organism's; so are the data constants
         return config_hash({"recipe": identity(self), "steps": self.train.steps,
-                            "data": data_constants(), "version": RECIPE_VERSION})
+                            "data": data_constants(self.data.tasks),
+                            "version": RECIPE_VERSION})
 
 
-def data_constants() -> dict[str, Any]:
-    """The module constants that shape the training rows (they decide the weights too)."""
+def data_constants(tasks: tuple[str, ...]) -> dict[str, Any]:
+    """The module constants that shape the training rows of ``tasks`` (they decide the
+    weights too)."""
     from probekit.training import organism
     from synthetic import registers
 
-    return {"task_shares": organism.TASK_SHARES,
-            "distractors": {str(k): v for k, v in organism.TRAIN_DISTRACTORS.items()},
-            "register_writes": registers.TRAINING_WRITES,
-            "register_counts": registers.TRAINING_REGISTERS,
-            "register_distractors": registers.TRAINING_DISTRACTORS}
+    out = {"task_shares": organism.TASK_SHARES,
+           "distractors": {str(k): v for k, v in organism.TRAIN_DISTRACTORS.items()},
+           "register_writes": registers.TRAINING_WRITES,
+           "register_counts": registers.TRAINING_REGISTERS,
+           "register_distractors": registers.TRAINING_DISTRACTORS}
+    # Constants added later shape only register rows, so they enter only the key of a
+    # recipe that trains on them: every other recipe keeps its key (and its cached
+    # organisms) when the register rows change.
+    if "registers" in tasks:
+        out["register_distractor_weights"] = {
+            str(k): v for k, v in registers.TRAINING_DISTRACTOR_WEIGHTS.items()}
+        out["register_reads"] = (registers.TRAINING_READ_ROWS, registers.TRAINING_READ_RATE)
+    return out
 
 
 def organism_folder(recipe: Recipe) -> Path:
@@ -166,7 +176,7 @@ def trained_organism(recipe: Recipe | None = None, *, progress: bool = True,
         accuracy = task_accuracy(loaded.model, loaded.gate, recipe.data.tasks)
         model_cache.seal(folder, {
             "recipe": identity(recipe), "steps": recipe.train.steps,
-            "recipe_version": RECIPE_VERSION, "data_constants": data_constants(),
+            "recipe_version": RECIPE_VERSION, "data_constants": data_constants(recipe.data.tasks),
             "train_seconds": training_seconds(run["history"], run["seconds"]),
             "task_accuracy": accuracy, "data": run["data"],
             "final_val_pass_losses": final_validation(run["history"]),
