@@ -6,8 +6,9 @@
 # (k = 1, 2, 4) and full recurrent prefill, probed at every depth, with App. F's matched
 # pairs (same history, different queried register) for patching. The organisms are trained
 # on TASKS (default `--tasks registers`; probekit's cache) for STEPS steps (default 4,000).
-# In our runs no such organism learned the task (seed 0: 2,000 and 4,000 steps, registers
-# alone or with completion and memory; docs/latent-feedback.md), so check the printed task
+# In our runs no such organism learned the task (seed 0: 2,000 to 8,000 steps, four kinds
+# of training rows; they learn the latest write but not which register was asked for:
+# docs/latent-feedback.md, experiments/register_shapes.py), so check the printed task
 # accuracy before reading the probes. Writes
 #   figures/latent-feedback-fig7b.png    probe accuracy per condition, depth and regime
 #   figures/latent-feedback-fig7b.json   every number per seed, patching statistics included

@@ -58,7 +58,8 @@ schedules (groups are numbered from 0 within a condition).
 Training text for the model organism (:func:`training_examples`; :func:`training_texts`
 gives the rows ``input + " " + label``): independent random inputs of varied shape,
 unpadded, whose schedules are never one of the probe sets' schedules
-(:func:`probe_schedules`).
+(:func:`probe_schedules`); half of them read registers along the way
+(``query = r2`` / ``Value: one`` after an assignment: :data:`TRAINING_READ_RULE`).
 """
 
 from __future__ import annotations
@@ -93,12 +94,16 @@ TRAINING_DISTRACTOR_WEIGHTS = {**dict.fromkeys(range(9), 8), **dict.fromkeys(ran
 TRAINING_DISTRACTORS = tuple(TRAINING_DISTRACTOR_WEIGHTS)
 #: Intermediate reads in the training rows: this share of the rows (the rest have the probe
 #: sets' exact shape) follows each assignment, with probability TRAINING_READ_RATE, by a
-#: read of a register written so far, ``query = r2\nValue: one``. One final answer per
-#: row taught too little: organisms trained on such rows stayed near chance after 4,000
-#: steps (docs/latent-feedback.md). Reads give every row many latest-write targets, the
-#: dense supervision of multi-query associative recall (Arora et al. 2023, "Zoology").
+#: read of a register written so far, ``query = r2\nValue: one``. A row with one final
+#: answer teaches one target; reads give it many, the dense supervision of multi-query
+#: associative recall (Arora et al. 2023, "Zoology"). (No organism has learned register
+#: binding yet, with or without them: docs/latent-feedback.md, Fig. 7b.)
 TRAINING_READ_ROWS = 0.5
 TRAINING_READ_RATE = 0.5
+#: Which register a read asks for (part of the organism cache key): never the one just
+#: written, whose value is the answer of the shortcut "the latest write, whatever the
+#: register", so on reads only the register binding pays.
+TRAINING_READ_RULE = "a register written so far, not the one just written"
 
 Schedule = list[tuple[int, int]]
 
@@ -325,10 +330,10 @@ def training_examples(
     ``distractors`` (counts -> weights, or counts of equal weight); the queried register;
     with probability ``read_rows``, intermediate reads: after each assignment, with
     probability ``read_rate``, a read of a register uniformly drawn from those written so
-    far (``condition["reads"]`` counts them). No
-    padding and no tokenizer: the text is :func:`register_text`'s (input ending at
-    ``Value:``), ``group`` is the example's index, nothing is paired. Deterministic in
-    ``seed``, drawn from a stream of its own.
+    far other than the one just written (``condition["reads"]`` counts them). No padding
+    and no tokenizer: the text is :func:`register_text`'s (input ending at ``Value:``),
+    ``group`` is the example's index, nothing is paired. Deterministic in ``seed``, drawn
+    from a stream of its own.
 
     Raises:
         ValueError: on an empty or non-positive size, an ``m`` no ``w`` fits, or a read
@@ -368,8 +373,9 @@ def training_examples(
             written: list[int] = []
             for j, (reg, _) in enumerate(schedule):
                 written += [] if reg in written else [reg]
-                if rng.random() < read_rate:
-                    reads.append((j, written[int(rng.integers(0, len(written)))]))
+                others = [r for r in written if r != reg]  # the shortcut's answer excluded
+                if others and rng.random() < read_rate:
+                    reads.append((j, others[int(rng.integers(0, len(others)))]))
         head, tail = register_text(schedule, scratch, d, query, reads)
         if rng.random() < 0.5:  # the sweeps' padding remainder line, "# pad pad ..."
             head += "#" + " pad" * int(rng.integers(0, 6)) + "\n"

@@ -89,7 +89,8 @@ def data_constants(tasks: tuple[str, ...]) -> dict[str, Any]:
     if "registers" in tasks:
         out["register_distractor_weights"] = {
             str(k): v for k, v in registers.TRAINING_DISTRACTOR_WEIGHTS.items()}
-        out["register_reads"] = (registers.TRAINING_READ_ROWS, registers.TRAINING_READ_RATE)
+        out["register_reads"] = (registers.TRAINING_READ_ROWS, registers.TRAINING_READ_RATE,
+                                 registers.TRAINING_READ_RULE)
     return out
 
 
