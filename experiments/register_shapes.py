@@ -40,11 +40,14 @@ class Args:
 def main() -> int:
     args = tyro.cli(Args)
     from probekit.core.engine import StepEngine
-    from probekit.mechanisms.latent_feedback import prefill
     from probekit.training.checkpoint import load_checkpoint
+    from probekit.training.organism import label_accuracy
     from synthetic.dataset import label_token_ids
     from synthetic.registers import LABEL_WORDS, training_examples
 
+    if args.rows < 1:
+        print(f"register_shapes: error: --rows must be >= 1; got {args.rows}", file=sys.stderr)
+        return 2
     ckpt = args.checkpoint or organism_folder(
         Recipe.default(args.seed, tasks=("registers",), steps=args.steps)) / "checkpoint"
     if not (ckpt / "config.json").is_file():
@@ -56,16 +59,13 @@ def main() -> int:
     loaded = load_checkpoint(ckpt)
     tok = loaded.model.tokenizer
     engine = StepEngine(loaded.model)
-    labels = torch.tensor(label_token_ids(tok, LABEL_WORDS))
+    label_ids = label_token_ids(tok, LABEL_WORDS)
     print(f"{ckpt}\n  m  writes  accuracy  shortcut")
     for m, w in SHAPES:
         rows = training_examples(args.rows, seed=10_000 + m * 100 + w, register_counts=(m,),
                                  writes=(w,), distractors=(0,), read_rows=0.0)
         ids = tok([e.text for e in rows], add_special_tokens=False)["input_ids"]
-        res = prefill(engine, ids, loaded.gate, "none", return_logits=True)
-        last = torch.tensor([len(r) - 1 for r in ids])
-        pred = res.logits[torch.arange(len(ids)), last][:, labels].argmax(-1)
-        acc = (pred == torch.tensor([e.label_id for e in rows])).float().mean().item()
+        acc = label_accuracy(engine, loaded.gate, ids, [e.label_id for e in rows], label_ids)
         print(f"{m:3d} {w:6d} {acc:9.2f} {1 / m + (1 - 1 / m) / 2:9.2f}")
     return 0
 

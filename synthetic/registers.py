@@ -91,6 +91,7 @@ TRAINING_WRITES = (1, 2, 4, 8, 16)
 #: organism still missed even a single register written once after 1,400 steps; with
 #: mostly short rows it had it by step 800 (docs/latent-feedback.md).
 TRAINING_DISTRACTOR_WEIGHTS = {**dict.fromkeys(range(9), 8), **dict.fromkeys(range(9, 51), 1)}
+#: The counts alone: in every organism recipe's cache key since before the weights were.
 TRAINING_DISTRACTORS = tuple(TRAINING_DISTRACTOR_WEIGHTS)
 #: Intermediate reads in the training rows: this share of the rows (the rest have the probe
 #: sets' exact shape) follows each assignment, with probability TRAINING_READ_RATE, by a

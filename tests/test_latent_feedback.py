@@ -545,6 +545,34 @@ def test_organism_tokenizer_fits_every_task():
     assert all(tok.unk_token_id not in r for r in tok(rows)["input_ids"])
 
 
+def test_label_accuracy_equals_a_row_by_row_reference(organism_checkpoint):
+    """Batched (length-sorted, padded) accuracy = each row alone, its label word compared
+    by logit at its last token; under a feedback regime too."""
+    from probekit.core.engine import StepEngine
+    from probekit.mechanisms.latent_feedback import prefill
+    from probekit.training.checkpoint import load_checkpoint
+    from probekit.training.organism import label_accuracy
+    from synthetic.dataset import label_token_ids
+    from synthetic.registers import LABEL_WORDS, training_examples
+
+    ck = load_checkpoint(organism_checkpoint)
+    tok, engine = ck.model.tokenizer, StepEngine(ck.model)
+    examples = training_examples(24, seed=3, distractors=(0, 5))
+    rows = tok([e.text for e in examples], add_special_tokens=False)["input_ids"]
+    labels = [e.label_id for e in examples]
+    ids = label_token_ids(tok, LABEL_WORDS)
+    assert len({len(r) for r in rows}) > 1  # padding is exercised
+    for regime in ("none", "full"):
+        hits = []
+        for row, label in zip(rows, labels, strict=True):
+            logits = prefill(engine, [row], ck.gate, regime, return_logits=True).logits[0, -1]
+            hits.append(int(logits[ids].argmax()) == label)
+        want = sum(hits) / len(hits)
+        assert label_accuracy(engine, ck.gate, rows, labels, ids, regime, batch_size=5) == want
+        assert label_accuracy(engine, ck.gate, rows, [1 - x for x in labels], ids,
+                              regime) == pytest.approx(1 - want)
+
+
 def test_train_feedback_cli_writes_and_resumes(tmp_path, capsys):
     import json
 

@@ -274,34 +274,41 @@ def _rows(tokenizer, task: str, distractors: int, seed: int,
 
 
 # -------------------------------------------------------------------- accuracy
+def label_accuracy(engine, gate, rows: Sequence[Sequence[int]], labels: Sequence[int],
+                   label_ids: Sequence[int], regime: str = "none", *,
+                   batch_size: int = 64) -> float:
+    """How often the label word with the larger logit at each row's last token (among
+    ``label_ids``, in label order) is the row's label, under prefill ``regime``."""
+    from probekit.mechanisms.latent_feedback import prefill
+
+    ids = torch.tensor(list(label_ids))
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))  # similar lengths batched
+    correct = 0
+    for b in range(0, len(order), batch_size):
+        idx = order[b: b + batch_size]
+        res = prefill(engine, [rows[i] for i in idx], gate, regime, return_logits=True)
+        last = torch.tensor([len(rows[i]) - 1 for i in idx])
+        pred = res.logits[torch.arange(len(idx)), last][:, ids].argmax(-1).numpy()
+        correct += int((pred == np.asarray(labels)[idx]).sum())
+    return correct / len(rows)
+
+
 def task_accuracy(model, gate, tasks: Sequence[str] = TRAIN_TASKS,
                   regimes: Sequence[str] = ("none", "last-1", "full"),
                   *, batch_size: int = 64) -> dict[str, dict[str, float]]:
     """Accuracy of the label prediction at the final colon of each probe set
-    (:func:`probe_sets`), per prefill regime: the label word with the
-    larger logit among the task's label words must be the example's label."""
+    (:func:`probe_sets`), per prefill regime (:func:`label_accuracy`)."""
     from probekit.core.engine import StepEngine
-    from probekit.mechanisms.latent_feedback import prefill
     from synthetic.dataset import label_token_ids
 
     engine = StepEngine(model)
     tok = model.tokenizer
-    out: dict[str, dict[str, float]] = {}
     sets = probe_sets(tok, tasks=tasks)
+    out: dict[str, dict[str, float]] = {}
     for task in tasks:
         data = sets[task]
-        label_ids = torch.tensor(label_token_ids(tok, data.label_words))
+        label_ids = label_token_ids(tok, data.label_words)
         rows = tok(data.texts, add_special_tokens=False)["input_ids"]
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
-        out[task] = {}
-        for regime in regimes:
-            correct = 0
-            for b in range(0, len(order), batch_size):
-                idx = order[b: b + batch_size]
-                res = prefill(engine, [rows[i] for i in idx], gate, regime, return_logits=True)
-                last = torch.tensor([len(rows[i]) - 1 for i in idx])
-                logits = res.logits[torch.arange(len(idx)), last][:, label_ids]
-                pred = logits.argmax(-1).numpy()
-                correct += int((pred == data.labels[idx]).sum())
-            out[task][regime] = correct / len(rows)
+        out[task] = {regime: label_accuracy(engine, gate, rows, data.labels, label_ids, regime,
+                                            batch_size=batch_size) for regime in regimes}
     return out
