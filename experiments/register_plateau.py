@@ -1,0 +1,121 @@
+"""Does a plain training loop learn register binding where probekit's trainer has not?
+
+An independent check of the Fig. 7b finding (docs/latent-feedback.md): an organism-shaped
+Llama (``build_organism``: 4 blocks, d_model 128, 4 heads, tied embeddings) trained by a
+plain AdamW loop, with none of probekit's trainer (no gate, no feedback passes, no length
+buckets, no answer-weighted mix of tasks), on register rows of one kind
+(``registers_dataset``: the paper's format, no intermediate reads, no padding). It prints
+the accuracy on held-out groups every 100 steps beside the shortcut "the latest write,
+whatever the register". ``--loss last`` trains only the answer; ``--loss all`` every next
+token with the answer weighted 20, as the organism trainer does.
+
+    python experiments/register_plateau.py --registers 2 --writes 1 2 --loss last
+    python experiments/register_plateau.py --registers 2 --writes 1 2 --loss all
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Literal
+
+import torch
+import tyro
+
+#: Weight of each row's answer under ``--loss all`` (the organism's default answer weight).
+ANSWER_WEIGHT = 20.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    registers: tuple[int, ...] = (2,)
+    """register counts m of the rows"""
+    writes: tuple[int, ...] = (1, 2)
+    """writes per register of the rows"""
+    null_updates: int = 0
+    """scratch null updates in every row"""
+    loss: Literal["last", "all"] = "last"
+    """train on the answer only, or on every next token (answer weighted 20)"""
+    steps: int = 1600
+    lr: float = 1e-3
+    batch_size: int = 64
+    groups: int = 2000
+    """training groups (schedule, complement, every query) per (m, writes)"""
+    seed: int = 0
+    """seeds the initialisation and the batch order (the rows are fixed)"""
+
+
+def main() -> int:
+    args = tyro.cli(Args)
+    for name in ("steps", "batch_size", "groups"):
+        if getattr(args, name) < 1:
+            print(f"register_plateau: error: --{name.replace('_', '-')} must be >= 1; got "
+                  f"{getattr(args, name)}", file=sys.stderr)
+            return 2
+    if min(args.registers + args.writes) < 1 or args.null_updates < 0:
+        print("register_plateau: error: --registers and --writes must be counts >= 1 and "
+              "--null-updates >= 0", file=sys.stderr)
+        return 2
+    from probekit.training.data import pad_batch
+    from probekit.training.objective import answer_weights, token_loss
+    from probekit.training.organism import build_organism, fit_tokenizer
+    from synthetic.registers import registers_dataset
+
+    torch.set_num_threads(1)
+    tok = fit_tokenizer()
+
+    def rows(n_groups: int, stream: int) -> tuple[list[list[int]], list[int]]:
+        """Token ids of every row, and each row's register count."""
+        texts, ms = [], []
+        for m in args.registers:
+            for w in args.writes:
+                data = registers_dataset(tok, m=m, writes_per_register=w,
+                                         distractors=args.null_updates, n_groups=n_groups,
+                                         seed=(stream, m, w), task="plateau")
+                texts += [ex.text + " " + ex.label for ex in data.examples]
+                ms += [m] * len(data.examples)
+        return tok(texts, add_special_tokens=False)["input_ids"], ms
+
+    train, _ = rows(args.groups, 7)
+    val, val_m = rows(max(1, 128 // (max(args.registers) * len(args.writes))), 99)
+    # the shortcut's expected accuracy on the held-out rows
+    shortcut = sum(1 / m + (1 - 1 / m) / 2 for m in val_m) / len(val_m)
+    model = build_organism(tok, seed=args.seed)
+    model.train()
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
+                             {"params": rest, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95))
+    pad = tok.pad_token_id
+    val_ids, val_valid = pad_batch(val, pad)
+    val_last = val_valid.sum(1) - 1  # the answer's target index
+    g = torch.Generator().manual_seed(args.seed)
+    print(f"{len(train)} training rows, {len(val)} held-out rows; shortcut {shortcut:.3f}")
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        idx = torch.randint(0, len(train), (args.batch_size,), generator=g).tolist()
+        ids, valid = pad_batch([train[i] for i in idx], pad)
+        logits = model(ids).logits
+        if args.loss == "last":
+            weights = torch.zeros(valid.shape)
+            weights[torch.arange(len(ids)), valid.sum(1) - 1] = 1.0
+        else:
+            weights = answer_weights(valid, ANSWER_WEIGHT)
+        loss = token_loss(logits, ids, weights)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if (step + 1) % 100 == 0:
+            with torch.no_grad():
+                out = model(val_ids).logits[torch.arange(len(val)), val_last]
+                acc = (out.argmax(-1) == val_ids[torch.arange(len(val)), val_last + 1])
+            print(f"step {step + 1:5d}  {time.perf_counter() - t0:5.0f} s  loss {loss.item():.3f}"
+                  f"  held-out accuracy {acc.float().mean().item():.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
