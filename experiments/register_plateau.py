@@ -7,15 +7,21 @@ buckets, no answer-weighted mix of tasks), on register rows of one kind
 (``registers_dataset``: the paper's format, no intermediate reads, no padding). It prints
 the accuracy on held-out groups every 100 steps beside the shortcut "the latest write,
 whatever the register". ``--loss last`` trains only the answer; ``--loss all`` every next
-token with the answer weighted 20, as the organism trainer does.
+token with the answer weighted 20, as the organism trainer does. ``--pad-rows`` puts the
+sweeps' padding remainder line (``#`` + 0-5 `` pad``, as in the organism's training rows)
+before the query in that share of the training and held-out rows; the accuracy is then
+printed for the held-out rows with and without it too, and per register count when there
+are several.
 
     python experiments/register_plateau.py --registers 2 --writes 1 2 --loss last
     python experiments/register_plateau.py --registers 2 --writes 1 2 --loss all
+    python experiments/register_plateau.py --registers 2 --writes 1 2 --pad-rows 0.5
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import sys
 import time
 from typing import Literal
@@ -42,6 +48,8 @@ class Args:
     batch_size: int = 64
     groups: int = 2000
     """training groups (schedule, complement, every query) per (m, writes)"""
+    pad_rows: float = 0.0
+    """share of the rows with the "# pad" line before the query"""
     seed: int = 0
     """seeds the initialisation and the batch order (the rows are fixed)"""
 
@@ -57,6 +65,10 @@ def main() -> int:
         print("register_plateau: error: --registers and --writes must be counts >= 1 and "
               "--null-updates >= 0", file=sys.stderr)
         return 2
+    if not 0 <= args.pad_rows <= 1:
+        print(f"register_plateau: error: --pad-rows must lie in [0, 1]; got {args.pad_rows}",
+              file=sys.stderr)
+        return 2
     from probekit.training.data import pad_batch
     from probekit.training.objective import answer_weights, token_loss
     from probekit.training.organism import build_organism, fit_tokenizer
@@ -65,22 +77,30 @@ def main() -> int:
     torch.set_num_threads(1)
     tok = fit_tokenizer()
 
-    def rows(n_groups: int, stream: int) -> tuple[list[list[int]], list[int]]:
-        """Token ids of every row, and each row's register count."""
-        texts, ms = [], []
+    def rows(n_groups: int, stream: int) -> tuple[list[list[int]], list[int], list[bool]]:
+        """Token ids of every row, each row's register count and whether it has the pad
+        line."""
+        texts, ms, padded = [], [], []
+        rng = random.Random(stream)
         for m in args.registers:
             for w in args.writes:
                 data = registers_dataset(tok, m=m, writes_per_register=w,
                                          distractors=args.null_updates, n_groups=n_groups,
                                          seed=(stream, m, w), task="plateau")
-                texts += [ex.text + " " + ex.label for ex in data.examples]
+                for ex in data.examples:
+                    pad = rng.random() < args.pad_rows
+                    text = ex.text.replace("query = ", "#" + " pad" * rng.randrange(6)
+                                           + "\nquery = ") if pad else ex.text
+                    texts.append(text + " " + ex.label)
+                    padded.append(pad)
                 ms += [m] * len(data.examples)
-        return tok(texts, add_special_tokens=False)["input_ids"], ms
+        return tok(texts, add_special_tokens=False)["input_ids"], ms, padded
 
-    train, _ = rows(args.groups, 7)
-    val, val_m = rows(max(1, 128 // (max(args.registers) * len(args.writes))), 99)
+    train, _, _ = rows(args.groups, 7)
+    val, val_m, val_padded = rows(max(1, 128 // (max(args.registers) * len(args.writes))), 99)
     # the shortcut's expected accuracy on the held-out rows
     shortcut = sum(1 / m + (1 - 1 / m) / 2 for m in val_m) / len(val_m)
+    val_padded, val_m = torch.tensor(val_padded), torch.tensor(val_m)
     model = build_organism(tok, seed=args.seed)
     model.train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -111,9 +131,15 @@ def main() -> int:
         if (step + 1) % 100 == 0:
             with torch.no_grad():
                 out = model(val_ids).logits[torch.arange(len(val)), val_last]
-                acc = (out.argmax(-1) == val_ids[torch.arange(len(val)), val_last + 1])
+                acc = (out.argmax(-1) == val_ids[torch.arange(len(val)), val_last + 1]).float()
+            parts = [f"m={m} {acc[val_m == m].mean().item():.3f}"
+                     for m in args.registers] if len(args.registers) > 1 else []
+            if val_padded.any() and not val_padded.all():
+                parts += [f"pad line {acc[val_padded].mean().item():.3f}",
+                          f"none {acc[~val_padded].mean().item():.3f}"]
+            split = f" ({', '.join(parts)})" if parts else ""
             print(f"step {step + 1:5d}  {time.perf_counter() - t0:5.0f} s  loss {loss.item():.3f}"
-                  f"  held-out accuracy {acc.float().mean().item():.3f}", flush=True)
+                  f"  held-out accuracy {acc.mean().item():.3f}{split}", flush=True)
     return 0
 
 

@@ -105,6 +105,12 @@ TRAINING_READ_RATE = 0.5
 #: written, whose value is the answer of the shortcut "the latest write, whatever the
 #: register", so on reads only the register binding pays.
 TRAINING_READ_RULE = "a register written so far, not the one just written"
+#: Share of the training rows with the sweeps' padding remainder line (``# pad pad``) before
+#: the query, so that the padded sweep inputs have a trained shape. It also moves the query
+#: off fixed distances from the assignments, which rules out reading them by position and
+#: in our runs doubled the plateau before the organism found the queried register
+#: (docs/latent-feedback.md).
+TRAINING_PAD_ROWS = 0.5
 
 Schedule = list[tuple[int, int]]
 
@@ -320,6 +326,7 @@ def training_examples(
     distractors: Mapping[int, int] | Sequence[int] = TRAINING_DISTRACTOR_WEIGHTS,
     read_rows: float = TRAINING_READ_ROWS,
     read_rate: float = TRAINING_READ_RATE,
+    pad_rows: float = TRAINING_PAD_ROWS,
     exclude_probe_schedules: bool = True,
 ) -> list[Example]:
     """``n_examples`` independent register inputs of varied shape, for training.
@@ -331,14 +338,16 @@ def training_examples(
     ``distractors`` (counts -> weights, or counts of equal weight); the queried register;
     with probability ``read_rows``, intermediate reads: after each assignment, with
     probability ``read_rate``, a read of a register uniformly drawn from those written so
-    far other than the one just written (``condition["reads"]`` counts them). No padding
+    far other than the one just written (``condition["reads"]`` counts them); with
+    probability ``pad_rows``, the sweeps' remainder line ``#`` + 0-5 ``" pad"`` before the
+    query (``condition["pad_line"]``). No padding
     and no tokenizer: the text is :func:`register_text`'s (input ending at ``Value:``),
     ``group`` is the example's index, nothing is paired. Deterministic in ``seed``, drawn
     from a stream of its own.
 
     Raises:
         ValueError: on an empty or non-positive size, an ``m`` no ``w`` fits, or a read
-            probability outside [0, 1].
+            or pad-line probability outside [0, 1].
     """
     if n_examples < 1:
         raise ValueError(f"n_examples must be >= 1; got {n_examples}")
@@ -347,7 +356,7 @@ def training_examples(
                          f"{list(register_counts)} and {list(writes)}")
     if not distractors or min(distractors) < 0:
         raise ValueError(f"distractors must be counts >= 0; got {list(distractors)}")
-    for name, p in (("read_rows", read_rows), ("read_rate", read_rate)):
+    for name, p in (("read_rows", read_rows), ("read_rate", read_rate), ("pad_rows", pad_rows)):
         if not 0 <= p <= 1:
             raise ValueError(f"{name} must lie in [0, 1]; got {p}")
     allowed = {m: [w for w in writes if m * w <= max_assignments] for m in register_counts}
@@ -378,14 +387,15 @@ def training_examples(
                 if others and rng.random() < read_rate:
                     reads.append((j, others[int(rng.integers(0, len(others)))]))
         head, tail = register_text(schedule, scratch, d, query, reads)
-        if rng.random() < 0.5:  # the sweeps' padding remainder line, "# pad pad ..."
+        pad_line = bool(rng.random() < pad_rows)
+        if pad_line:  # the sweeps' padding remainder line, "# pad pad ..."
             head += "#" + " pad" * int(rng.integers(0, 6)) + "\n"
         bit = latest_value(schedule, query)
         out.append(Example(
             text=head + tail, label=LABEL_WORDS[bit], label_id=bit, group=i,
             task="registers-train",
             condition={"m": m, "writes_per_register": w, "distractors": d, "query": query,
-                       "reads": len(reads)},
+                       "reads": len(reads), "pad_line": pad_line},
         ))
     return out
 

@@ -224,6 +224,8 @@ def test_training_examples_cover_the_shapes_evenly():
                for i in range(300)) == {3, 5}
     padded = np.array(["#" in e.text for e in examples])
     assert abs(padded.mean() - 0.5) < 0.03  # the sweeps' "# pad ..." line, half the rows
+    assert padded.tolist() == [e.condition["pad_line"] for e in examples]
+    assert not any("#" in e.text for e in training_examples(300, seed=0, pad_rows=0.0))
     assert abs(np.mean([e.label_id for e in examples]) - 0.5) < 0.03
     assert (ms * ws <= 64).all()
     # half the rows carry intermediate reads, after about half of their assignments (those
@@ -276,6 +278,8 @@ def test_max_assignments_limits_the_writes():
         training_examples(3, distractors=())
     with pytest.raises(ValueError, match=r"read_rate must lie in \[0, 1\]; got 1.5"):
         training_examples(3, read_rate=1.5)
+    with pytest.raises(ValueError, match=r"pad_rows must lie in \[0, 1\]; got -0.1"):
+        training_examples(3, pad_rows=-0.1)
 
 
 def test_probe_schedules_are_those_of_the_probe_sets(tasks):

@@ -91,6 +91,7 @@ def data_constants(tasks: tuple[str, ...]) -> dict[str, Any]:
             str(k): v for k, v in registers.TRAINING_DISTRACTOR_WEIGHTS.items()}
         out["register_reads"] = (registers.TRAINING_READ_ROWS, registers.TRAINING_READ_RATE,
                                  registers.TRAINING_READ_RULE)
+        out["register_pad_rows"] = registers.TRAINING_PAD_ROWS
     return out
 
 
