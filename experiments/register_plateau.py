@@ -72,6 +72,7 @@ def main() -> int:
     from probekit.training.data import pad_batch
     from probekit.training.objective import answer_weights, token_loss
     from probekit.training.organism import build_organism, fit_tokenizer
+    from synthetic.dataset import filler_line
     from synthetic.registers import registers_dataset
 
     torch.set_num_threads(1)
@@ -89,9 +90,8 @@ def main() -> int:
                                          seed=(stream, m, w), task="plateau")
                 for ex in data.examples:
                     pad = rng.random() < args.pad_rows
-                    text = ex.text.replace("query = ", "#" + " pad" * rng.randrange(6)
-                                           + "\nquery = ") if pad else ex.text
-                    texts.append(text + " " + ex.label)
+                    line = filler_line(rng.randrange(6)) if pad else ""
+                    texts.append(ex.text.replace("query = ", line + "query = ") + " " + ex.label)
                     padded.append(pad)
                 ms += [m] * len(data.examples)
         return tok(texts, add_special_tokens=False)["input_ids"], ms, padded

@@ -41,6 +41,11 @@ NULL_UPDATE = "scratch += 0"
 FILLER_WORD = " pad"
 
 
+def filler_line(words: int) -> str:
+    """The remainder line of a padding block: ``#`` and ``words`` filler words."""
+    return "#" + FILLER_WORD * words + "\n"
+
+
 @dataclass(frozen=True)
 class Example:
     """One input of a synthetic task.
@@ -262,12 +267,12 @@ def pad_to_length(
             return text
     line = NULL_UPDATE + "\n"
     line_cost = n_tokens(tokenizer, head + line + tail) - base
-    filler_cost = n_tokens(tokenizer, head + "#\n" + tail) - base  # a filler line, j = 0
+    filler_cost = n_tokens(tokenizer, head + filler_line(0) + tail) - base
     for n in range(need // max(line_cost, 1), -1, -1):
         rem = need - n * line_cost
         tails = [""] if rem == 0 else [" \n" * rem]  # blank lines: the last resort
         if rem >= filler_cost:
-            tails.insert(0, "#" + FILLER_WORD * (rem - filler_cost) + "\n")
+            tails.insert(0, filler_line(rem - filler_cost))
         for rest in tails:
             text = head + line * n + rest + tail
             if n_tokens(tokenizer, text) == length:

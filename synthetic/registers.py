@@ -70,7 +70,7 @@ from typing import Any
 
 import numpy as np
 
-from synthetic.dataset import Dataset, Example, pad_to_length, scratch_lines, validate
+from synthetic.dataset import Dataset, Example, filler_line, pad_to_length, scratch_lines, validate
 
 LABEL_WORDS = ("zero", "one")
 REGISTER_COUNTS = (1, 2, 4, 8)
@@ -389,7 +389,7 @@ def training_examples(
         head, tail = register_text(schedule, scratch, d, query, reads)
         pad_line = bool(rng.random() < pad_rows)
         if pad_line:  # the sweeps' padding remainder line, "# pad pad ..."
-            head += "#" + " pad" * int(rng.integers(0, 6)) + "\n"
+            head += filler_line(int(rng.integers(0, 6)))
         bit = latest_value(schedule, query)
         out.append(Example(
             text=head + tail, label=LABEL_WORDS[bit], label_id=bit, group=i,

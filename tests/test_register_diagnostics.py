@@ -41,7 +41,7 @@ def test_register_plateau_counts_rows_and_prints_accuracy_every_100_steps():
 
 def test_register_plateau_splits_the_accuracy_by_the_pad_line():
     """With --pad-rows the held-out accuracy is also printed for the rows with and without
-    the "# pad" line, and it is their row-weighted mean."""
+    the "# pad" line; the total, their row-weighted mean, lies between them."""
     out = run("register_plateau.py", "--groups", "2", "--steps", "100", "--batch-size", "8",
               "--pad-rows", "0.5")
     assert out.returncode == 0, out.stderr
