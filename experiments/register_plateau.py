@@ -11,11 +11,18 @@ token with the answer weighted 20, as the organism trainer does. ``--pad-rows`` 
 sweeps' padding remainder line (``#`` + 0-5 `` pad``, as in the organism's training rows)
 before the query in that share of the training and held-out rows; the accuracy is then
 printed for the held-out rows with and without it too, and per register count when there
-are several.
+are several. Several ``--null-updates`` counts move the assignments away from the query
+by varied distances (the accuracy is then printed per count too). ``--save`` keeps the
+trained organism, ``--init`` starts from one (staged training: two registers first, then
+more), ``--evaluate`` only scores one, ``--until`` stops once every register count reaches
+an accuracy, and ``--d-model`` / ``--n-heads`` / ``--n-blocks`` change the shape.
 
     python experiments/register_plateau.py --registers 2 --writes 1 2 --loss last
     python experiments/register_plateau.py --registers 2 --writes 1 2 --loss all
     python experiments/register_plateau.py --registers 2 --writes 1 2 --pad-rows 0.5
+    python experiments/register_plateau.py --registers 2 --writes 1 2 --loss all \
+        --pad-rows 0.5 --d-model 256 --n-heads 8 --until 0.98 --save two
+    python experiments/register_plateau.py --init two --evaluate --null-updates 0 2 8
 """
 
 from __future__ import annotations
@@ -24,10 +31,14 @@ import dataclasses
 import random
 import sys
 import time
+from pathlib import Path
 from typing import Literal
 
 import torch
+import transformers
 import tyro
+
+from probekit.training.config import OrganismConfig
 
 #: Weight of each row's answer under ``--loss all`` (the organism's default answer weight).
 ANSWER_WEIGHT = 20.0
@@ -39,8 +50,9 @@ class Args:
     """register counts m of the rows"""
     writes: tuple[int, ...] = (1, 2)
     """writes per register of the rows"""
-    null_updates: int = 0
-    """scratch null updates in every row"""
+    null_updates: tuple[int, ...] = (0,)
+    """scratch null updates of the rows (each count its own groups: several vary where the
+    assignments sit relative to the query)"""
     loss: Literal["last", "all"] = "last"
     """train on the answer only, or on every next token (answer weighted 20)"""
     steps: int = 1600
@@ -52,6 +64,20 @@ class Args:
     """share of the rows with the "# pad" line before the query"""
     seed: int = 0
     """seeds the initialisation and the batch order (the rows are fixed)"""
+    init: str | None = None
+    """start from this organism folder (a --save of an earlier run: staged training)"""
+    save: str | None = None
+    """write the trained organism here (an HF folder that --init and load_model read)"""
+    evaluate: bool = False
+    """only score the --init organism on the held-out rows (no training)"""
+    until: float | None = None
+    """stop at the first held-out accuracy >= this, on every register count"""
+    d_model: int = 128
+    """organism residual width (ignored with --init)"""
+    n_heads: int = 4
+    """organism attention heads (ignored with --init)"""
+    n_blocks: int = 4
+    """organism transformer blocks (ignored with --init)"""
 
 
 def main() -> int:
@@ -61,7 +87,7 @@ def main() -> int:
             print(f"register_plateau: error: --{name.replace('_', '-')} must be >= 1; got "
                   f"{getattr(args, name)}", file=sys.stderr)
             return 2
-    if min(args.registers + args.writes) < 1 or args.null_updates < 0:
+    if min(args.registers + args.writes) < 1 or min(args.null_updates) < 0:
         print("register_plateau: error: --registers and --writes must be counts >= 1 and "
               "--null-updates >= 0", file=sys.stderr)
         return 2
@@ -69,39 +95,68 @@ def main() -> int:
         print(f"register_plateau: error: --pad-rows must lie in [0, 1]; got {args.pad_rows}",
               file=sys.stderr)
         return 2
+    if args.until is not None and not 0 < args.until <= 1:
+        print(f"register_plateau: error: --until must lie in (0, 1]; got {args.until}",
+              file=sys.stderr)
+        return 2
+    if args.evaluate and args.init is None:
+        print("register_plateau: error: --evaluate scores a trained organism; give its folder "
+              "with --init", file=sys.stderr)
+        return 2
+    if args.init is not None and not (Path(args.init) / "config.json").is_file():
+        print(f"register_plateau: error: --init {args.init} is not an organism folder (no "
+              "config.json); give the --save folder of an earlier run", file=sys.stderr)
+        return 2
+    try:
+        shape = OrganismConfig(n_blocks=args.n_blocks, d_model=args.d_model,
+                               n_heads=args.n_heads)
+    except ValueError as err:
+        print(f"register_plateau: error: {err}", file=sys.stderr)
+        return 2
     from probekit.training.data import pad_batch
     from probekit.training.objective import answer_weights, token_loss
-    from probekit.training.organism import build_organism, fit_tokenizer
+    from probekit.training.organism import build_organism, fit_tokenizer, save_organism
     from synthetic.dataset import filler_line
     from synthetic.registers import registers_dataset
 
     torch.set_num_threads(1)
     tok = fit_tokenizer()
 
-    def rows(n_groups: int, stream: int) -> tuple[list[list[int]], list[int], list[bool]]:
-        """Token ids of every row, each row's register count and whether it has the pad
-        line."""
-        texts, ms, padded = [], [], []
+    def rows(n_groups: int, stream: int) -> tuple[list[list[int]], list[int], list[bool],
+                                                  list[int]]:
+        """Token ids of every row, each row's register count, whether it has the pad line
+        and its null updates."""
+        texts, ms, padded, nulls = [], [], [], []
         rng = random.Random(stream)
         for m in args.registers:
             for w in args.writes:
-                data = registers_dataset(tok, m=m, writes_per_register=w,
-                                         distractors=args.null_updates, n_groups=n_groups,
-                                         seed=(stream, m, w), task="plateau")
-                for ex in data.examples:
-                    pad = rng.random() < args.pad_rows
-                    line = filler_line(rng.randrange(6)) if pad else ""
-                    texts.append(ex.text.replace("query = ", line + "query = ") + " " + ex.label)
-                    padded.append(pad)
-                ms += [m] * len(data.examples)
-        return tok(texts, add_special_tokens=False)["input_ids"], ms, padded
+                for n in args.null_updates:
+                    # rows without null updates keep their earlier streams (every run
+                    # in the docs before the flag took several counts had none)
+                    data = registers_dataset(tok, m=m, writes_per_register=w, distractors=n,
+                                             n_groups=n_groups, task="plateau",
+                                             seed=(stream, m, w) + ((n,) if n else ()))
+                    for ex in data.examples:
+                        pad = rng.random() < args.pad_rows
+                        line = filler_line(rng.randrange(6)) if pad else ""
+                        texts.append(ex.text.replace("query = ", line + "query = ") + " "
+                                     + ex.label)
+                        padded.append(pad)
+                    ms += [m] * len(data.examples)
+                    nulls += [n] * len(data.examples)
+        return tok(texts, add_special_tokens=False)["input_ids"], ms, padded, nulls
 
-    train, _, _ = rows(args.groups, 7)
-    val, val_m, val_padded = rows(max(1, 128 // (max(args.registers) * len(args.writes))), 99)
+    train = rows(args.groups, 7)[0] if not args.evaluate else []
+    val, val_m, val_padded, val_nulls = rows(max(1, 128 // (
+        max(args.registers) * len(args.writes) * len(args.null_updates))), 99)
     # the shortcut's expected accuracy on the held-out rows
     shortcut = sum(1 / m + (1 - 1 / m) / 2 for m in val_m) / len(val_m)
-    val_padded, val_m = torch.tensor(val_padded), torch.tensor(val_m)
-    model = build_organism(tok, seed=args.seed)
+    val_padded, val_m, val_nulls = map(torch.tensor, (val_padded, val_m, val_nulls))
+    if args.init is None:
+        model = build_organism(tok, shape, seed=args.seed)
+    else:
+        model = transformers.LlamaForCausalLM.from_pretrained(args.init)
+        model.set_attn_implementation("sdpa")
     model.train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
@@ -113,6 +168,28 @@ def main() -> int:
     val_last = val_valid.sum(1) - 1  # the answer's target index
     g = torch.Generator().manual_seed(args.seed)
     print(f"{len(train)} training rows, {len(val)} held-out rows; shortcut {shortcut:.3f}")
+
+    def held_out() -> tuple[torch.Tensor, str]:
+        """Accuracy of each held-out row, and the split the log line shows."""
+        model.eval()
+        with torch.no_grad():
+            out = model(val_ids).logits[torch.arange(len(val)), val_last]
+        model.train()
+        acc = (out.argmax(-1) == val_ids[torch.arange(len(val)), val_last + 1]).float()
+        parts = [f"m={m} {acc[val_m == m].mean().item():.3f}"
+                 for m in args.registers] if len(args.registers) > 1 else []
+        if len(args.null_updates) > 1:
+            parts += [f"null {n} {acc[val_nulls == n].mean().item():.3f}"
+                      for n in args.null_updates]
+        if val_padded.any() and not val_padded.all():
+            parts += [f"pad line {acc[val_padded].mean().item():.3f}",
+                      f"none {acc[~val_padded].mean().item():.3f}"]
+        return acc, f" ({', '.join(parts)})" if parts else ""
+
+    if args.evaluate:
+        acc, split = held_out()
+        print(f"held-out accuracy {acc.mean().item():.3f}{split}")
+        return 0
     t0 = time.perf_counter()
     for step in range(args.steps):
         idx = torch.randint(0, len(train), (args.batch_size,), generator=g).tolist()
@@ -129,17 +206,17 @@ def main() -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if (step + 1) % 100 == 0:
-            with torch.no_grad():
-                out = model(val_ids).logits[torch.arange(len(val)), val_last]
-                acc = (out.argmax(-1) == val_ids[torch.arange(len(val)), val_last + 1]).float()
-            parts = [f"m={m} {acc[val_m == m].mean().item():.3f}"
-                     for m in args.registers] if len(args.registers) > 1 else []
-            if val_padded.any() and not val_padded.all():
-                parts += [f"pad line {acc[val_padded].mean().item():.3f}",
-                          f"none {acc[~val_padded].mean().item():.3f}"]
-            split = f" ({', '.join(parts)})" if parts else ""
+            acc, split = held_out()
             print(f"step {step + 1:5d}  {time.perf_counter() - t0:5.0f} s  loss {loss.item():.3f}"
                   f"  held-out accuracy {acc.mean().item():.3f}{split}", flush=True)
+            if args.until is not None and all(
+                    acc[val_m == m].mean().item() >= args.until for m in args.registers):
+                print(f"every register count at >= {args.until} held-out accuracy: stopped")
+                break
+    if args.save is not None:
+        model.eval()
+        save_organism(args.save, model, tok)
+        print(f"saved the organism in {args.save}")
     return 0
 
 

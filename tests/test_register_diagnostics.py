@@ -53,6 +53,45 @@ def test_register_plateau_splits_the_accuracy_by_the_pad_line():
     assert min(padded, plain) - 1e-3 <= total <= max(padded, plain) + 1e-3
 
 
+def test_register_plateau_saves_an_organism_that_init_reads_back(tmp_path):
+    """--until stops at the first evaluation that reaches it, --save writes the organism and
+    --init --evaluate scores exactly what the saved one scored on the same held-out rows (a
+    fresh organism scores 0.000: its argmax is not yet a label word)."""
+    small = ("--d-model", "32", "--n-heads", "2", "--n-blocks", "1", "--groups", "2",
+             "--batch-size", "8")
+    first = run("register_plateau.py", *small, "--steps", "300", "--until", "0.01",
+                "--save", str(tmp_path / "o"))
+    assert first.returncode == 0, first.stderr
+    lines = first.stdout.splitlines()
+    assert lines[1].startswith("step   100 ")
+    assert lines[2:] == ["every register count at >= 0.01 held-out accuracy: stopped",
+                         f"saved the organism in {tmp_path / 'o'}"]
+    trained = re.search(r"held-out accuracy (\d\.\d{3})$", lines[1]).group(1)
+    again = run("register_plateau.py", "--init", str(tmp_path / "o"), "--evaluate")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines() == ["0 training rows, 256 held-out rows; shortcut 0.750",
+                                         f"held-out accuracy {trained}"]
+
+
+def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
+    """Several --null-updates counts: each gets its own held-out groups (128 // (m x writes x
+    counts) per cell), and the total is the mean of the per-count accuracies."""
+    made = run("register_plateau.py", "--d-model", "32", "--n-heads", "2", "--n-blocks", "1",
+               "--groups", "1", "--batch-size", "8", "--steps", "100",
+               "--save", str(tmp_path / "o"))
+    assert made.returncode == 0, made.stderr
+    out = run("register_plateau.py", "--init", str(tmp_path / "o"), "--evaluate",
+              "--null-updates", "0", "2")
+    assert out.returncode == 0, out.stderr
+    header, line = out.stdout.splitlines()
+    assert header == f"0 training rows, {16 * 2 * 2 * 2 * 2} held-out rows; shortcut 0.750"
+    m = re.fullmatch(r"held-out accuracy (\d\.\d{3}) \(null 0 (\d\.\d{3}), "
+                     r"null 2 (\d\.\d{3})\)", line)
+    assert m, line
+    total, zero, two = map(float, m.groups())
+    assert total == pytest.approx((zero + two) / 2, abs=1e-3)
+
+
 @pytest.mark.parametrize("script, flags, message", [
     ("register_plateau.py", ("--steps", "0"),
      "register_plateau: error: --steps must be >= 1; got 0"),
@@ -61,6 +100,16 @@ def test_register_plateau_splits_the_accuracy_by_the_pad_line():
      "--null-updates >= 0"),
     ("register_plateau.py", ("--pad-rows", "1.5"),
      "register_plateau: error: --pad-rows must lie in [0, 1]; got 1.5"),
+    ("register_plateau.py", ("--until", "1.5"),
+     "register_plateau: error: --until must lie in (0, 1]; got 1.5"),
+    ("register_plateau.py", ("--evaluate",),
+     "register_plateau: error: --evaluate scores a trained organism; give its folder with "
+     "--init"),
+    ("register_plateau.py", ("--init", "nowhere"),
+     "register_plateau: error: --init nowhere is not an organism folder (no config.json); "
+     "give the --save folder of an earlier run"),
+    ("register_plateau.py", ("--d-model", "100", "--n-heads", "3"),
+     "register_plateau: error: --d-model (100) must be a multiple of --n-heads (3)"),
     ("register_shapes.py", ("--rows", "0"), "register_shapes: error: --rows must be >= 1; got 0"),
 ])
 def test_bad_flags_get_one_line_errors(script, flags, message):
