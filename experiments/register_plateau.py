@@ -13,9 +13,10 @@ before the query in that share of the training and held-out rows; the accuracy i
 printed for the held-out rows with and without it too, and per register count when there
 are several. Several ``--null-updates`` counts move the assignments away from the query
 by varied distances (the accuracy is then printed per count too). ``--save`` keeps the
-trained organism, ``--init`` starts from one (staged training: two registers first, then
-more), ``--evaluate`` only scores one, ``--until`` stops once every register count reaches
-an accuracy, and ``--d-model`` / ``--n-heads`` / ``--n-blocks`` change the shape.
+trained organism (also when the run is stopped with Ctrl-C or SIGTERM), ``--init`` starts
+from one (staged training: two registers first, then more), ``--evaluate`` only scores
+one, ``--until`` stops once every register count reaches an accuracy, and ``--d-model`` /
+``--n-heads`` / ``--n-blocks`` change the shape.
 
     python experiments/register_plateau.py --registers 2 --writes 1 2 --loss last
     python experiments/register_plateau.py --registers 2 --writes 1 2 --loss all
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -190,8 +192,19 @@ def main() -> int:
         acc, split = held_out()
         print(f"held-out accuracy {acc.mean().item():.3f}{split}")
         return 0
+    stop: list[str] = []
+
+    def request_stop(signum: int, frame: object) -> None:
+        # finish the step in flight, so that --save keeps a whole step's weights
+        stop.append(signal.Signals(signum).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, request_stop)
     t0 = time.perf_counter()
     for step in range(args.steps):
+        if stop:
+            print(f"{stop[0]} after step {step}: stopped", flush=True)
+            break
         idx = torch.randint(0, len(train), (args.batch_size,), generator=g).tolist()
         ids, valid = pad_batch([train[i] for i in idx], pad)
         logits = model(ids).logits

@@ -4,6 +4,7 @@ row accounting, their output, and their one-line errors."""
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,24 @@ def test_register_plateau_saves_an_organism_that_init_reads_back(tmp_path):
     assert again.returncode == 0, again.stderr
     assert again.stdout.splitlines() == ["0 training rows, 256 held-out rows; shortcut 0.750",
                                          f"held-out accuracy {trained}"]
+
+
+def test_register_plateau_saves_what_it_learned_when_stopped(tmp_path):
+    """SIGTERM (as Ctrl-C) ends the step in flight, then --save writes the organism."""
+    proc = subprocess.Popen(
+        [sys.executable, str(EXPERIMENTS / "register_plateau.py"), "--d-model", "32",
+         "--n-heads", "2", "--n-blocks", "1", "--groups", "2", "--batch-size", "8",
+         "--steps", "1000000", "--save", str(tmp_path / "o")],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines = [proc.stdout.readline(), proc.stdout.readline()]
+    assert lines[1].startswith("step   100 "), lines
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    stopped, saved = rest.splitlines()[-2:]
+    assert re.fullmatch(r"SIGTERM after step \d+: stopped", stopped), stopped
+    assert saved == f"saved the organism in {tmp_path / 'o'}"
+    assert (tmp_path / "o" / "model.safetensors").is_file()
 
 
 def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
