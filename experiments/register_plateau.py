@@ -82,39 +82,35 @@ class Args:
     """organism transformer blocks (ignored with --init)"""
 
 
+def usage_error(message: str) -> int:
+    """Print a bad flag's one-line error; the exit status to return."""
+    print(f"register_plateau: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main() -> int:
     args = tyro.cli(Args)
     for name in ("steps", "batch_size", "groups"):
         if getattr(args, name) < 1:
-            print(f"register_plateau: error: --{name.replace('_', '-')} must be >= 1; got "
-                  f"{getattr(args, name)}", file=sys.stderr)
-            return 2
+            return usage_error(f"--{name.replace('_', '-')} must be >= 1; got "
+                               f"{getattr(args, name)}")
     if min(args.registers + args.writes) < 1 or min(args.null_updates) < 0:
-        print("register_plateau: error: --registers and --writes must be counts >= 1 and "
-              "--null-updates >= 0", file=sys.stderr)
-        return 2
+        return usage_error("--registers and --writes must be counts >= 1 and "
+                           "--null-updates >= 0")
     if not 0 <= args.pad_rows <= 1:
-        print(f"register_plateau: error: --pad-rows must lie in [0, 1]; got {args.pad_rows}",
-              file=sys.stderr)
-        return 2
+        return usage_error(f"--pad-rows must lie in [0, 1]; got {args.pad_rows}")
     if args.until is not None and not 0 < args.until <= 1:
-        print(f"register_plateau: error: --until must lie in (0, 1]; got {args.until}",
-              file=sys.stderr)
-        return 2
+        return usage_error(f"--until must lie in (0, 1]; got {args.until}")
     if args.evaluate and args.init is None:
-        print("register_plateau: error: --evaluate scores a trained organism; give its folder "
-              "with --init", file=sys.stderr)
-        return 2
+        return usage_error("--evaluate scores a trained organism; give its folder with --init")
     if args.init is not None and not (Path(args.init) / "config.json").is_file():
-        print(f"register_plateau: error: --init {args.init} is not an organism folder (no "
-              "config.json); give the --save folder of an earlier run", file=sys.stderr)
-        return 2
+        return usage_error(f"--init {args.init} is not an organism folder (no config.json); "
+                           "give the --save folder of an earlier run")
     try:
         shape = OrganismConfig(n_blocks=args.n_blocks, d_model=args.d_model,
                                n_heads=args.n_heads)
     except ValueError as err:
-        print(f"register_plateau: error: {err}", file=sys.stderr)
-        return 2
+        return usage_error(str(err))
     from probekit.training.data import pad_batch
     from probekit.training.objective import answer_weights, token_loss
     from probekit.training.organism import build_organism, fit_tokenizer, save_organism
