@@ -10,13 +10,14 @@ whatever the register". ``--loss last`` trains only the answer; ``--loss all`` e
 token with the answer weighted 20, as the organism trainer does. ``--pad-rows`` puts the
 sweeps' padding remainder line (``#`` + 0-5 `` pad``, as in the organism's training rows)
 before the query in that share of the training and held-out rows; the accuracy is then
-printed for the held-out rows with and without it too, and per register count when there
-are several. Several ``--null-updates`` counts move the assignments away from the query
-by varied distances (the accuracy is then printed per count too). ``--save`` keeps the
-trained organism (also when the run is stopped with Ctrl-C or SIGTERM), ``--init`` starts
-from one (staged training: two registers first, then more), ``--evaluate`` only scores
-one, ``--until`` stops once every register count reaches an accuracy, and ``--d-model`` /
-``--n-heads`` / ``--n-blocks`` change the shape.
+printed for the held-out rows with and without it too, per register count and per writes
+per register when there are several. Several ``--null-updates`` counts move the
+assignments away from the query by varied distances (the accuracy is then printed per count
+too). ``--save`` keeps the trained organism (also when the run is stopped with Ctrl-C or
+SIGTERM), ``--init`` starts from one (staged training: two registers first, then more),
+``--evaluate`` only scores one, ``--until`` stops once every register count reaches an
+accuracy, ``--d-model`` / ``--n-heads`` / ``--n-blocks`` change the shape, and
+``--lr-schedule cosine`` decays the learning rate as probekit's trainer does.
 
     python experiments/register_plateau.py --registers 2 --writes 1 2 --loss last
     python experiments/register_plateau.py --registers 2 --writes 1 2 --loss all
@@ -59,6 +60,12 @@ class Args:
     """train on the answer only, or on every next token (answer weighted 20)"""
     steps: int = 1600
     lr: float = 1e-3
+    """AdamW learning rate (the peak under --lr-schedule cosine)"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """constant --lr, or linear warm-up over --warmup steps then cosine decay to --lr / 10
+    at --steps (the schedule of probekit's trainer)"""
+    warmup: int = 0
+    """warm-up steps of --lr-schedule cosine"""
     batch_size: int = 64
     groups: int = 2000
     """training groups (schedule, complement, every query) per (m, writes)"""
@@ -94,6 +101,8 @@ def main() -> int:
         if getattr(args, name) < 1:
             return usage_error(f"--{name.replace('_', '-')} must be >= 1; got "
                                f"{getattr(args, name)}")
+    if not 0 <= args.warmup < args.steps:
+        return usage_error(f"--warmup must lie in [0, --steps); got {args.warmup}")
     if min(args.registers + args.writes) < 1 or min(args.null_updates) < 0:
         return usage_error("--registers and --writes must be counts >= 1 and "
                            "--null-updates >= 0")
@@ -114,17 +123,18 @@ def main() -> int:
     from probekit.training.data import pad_batch
     from probekit.training.objective import answer_weights, token_loss
     from probekit.training.organism import build_organism, fit_tokenizer, save_organism
+    from probekit.training.train import warmup_cosine
     from synthetic.dataset import filler_line
     from synthetic.registers import registers_dataset
 
     torch.set_num_threads(1)
     tok = fit_tokenizer()
 
-    def rows(n_groups: int, stream: int) -> tuple[list[list[int]], list[int], list[bool],
-                                                  list[int]]:
-        """Token ids of every row, each row's register count, whether it has the pad line
-        and its null updates."""
-        texts, ms, padded, nulls = [], [], [], []
+    def rows(n_groups: int, stream: int) -> tuple[list[list[int]], list[int], list[int],
+                                                  list[bool], list[int]]:
+        """Token ids of every row, each row's register count and writes per register,
+        whether it has the pad line and its null updates."""
+        texts, ms, ws, padded, nulls = [], [], [], [], []
         rng = random.Random(stream)
         for m in args.registers:
             for w in args.writes:
@@ -141,15 +151,17 @@ def main() -> int:
                                      + ex.label)
                         padded.append(pad)
                     ms += [m] * len(data.examples)
+                    ws += [w] * len(data.examples)
                     nulls += [n] * len(data.examples)
-        return tok(texts, add_special_tokens=False)["input_ids"], ms, padded, nulls
+        return tok(texts, add_special_tokens=False)["input_ids"], ms, ws, padded, nulls
 
     train = rows(args.groups, 7)[0] if not args.evaluate else []
-    val, val_m, val_padded, val_nulls = rows(max(1, 128 // (
+    val, val_m, val_w, val_padded, val_nulls = rows(max(1, 128 // (
         max(args.registers) * len(args.writes) * len(args.null_updates))), 99)
     # the shortcut's expected accuracy on the held-out rows
     shortcut = sum(1 / m + (1 - 1 / m) / 2 for m in val_m) / len(val_m)
-    val_padded, val_m, val_nulls = map(torch.tensor, (val_padded, val_m, val_nulls))
+    val_padded, val_m, val_w, val_nulls = map(torch.tensor,
+                                              (val_padded, val_m, val_w, val_nulls))
     if args.init is None:
         model = build_organism(tok, shape, seed=args.seed)
     else:
@@ -176,6 +188,8 @@ def main() -> int:
         acc = (out.argmax(-1) == val_ids[torch.arange(len(val)), val_last + 1]).float()
         parts = [f"m={m} {acc[val_m == m].mean().item():.3f}"
                  for m in args.registers] if len(args.registers) > 1 else []
+        if len(args.writes) > 1:
+            parts += [f"writes {w} {acc[val_w == w].mean().item():.3f}" for w in args.writes]
         if len(args.null_updates) > 1:
             parts += [f"null {n} {acc[val_nulls == n].mean().item():.3f}"
                       for n in args.null_updates]
@@ -201,6 +215,9 @@ def main() -> int:
         if stop:
             print(f"{stop[0]} after step {step}: stopped", flush=True)
             break
+        if args.lr_schedule == "cosine":
+            for group in opt.param_groups:
+                group["lr"] = warmup_cosine(step, args.lr, args.warmup, args.steps)
         idx = torch.randint(0, len(train), (args.batch_size,), generator=g).tolist()
         ids, valid = pad_batch([train[i] for i in idx], pad)
         logits = model(ids).logits
@@ -216,8 +233,9 @@ def main() -> int:
         opt.step()
         if (step + 1) % 100 == 0:
             acc, split = held_out()
+            rate = f"  lr {opt.param_groups[0]['lr']:.1e}" if args.lr_schedule == "cosine" else ""
             print(f"step {step + 1:5d}  {time.perf_counter() - t0:5.0f} s  loss {loss.item():.3f}"
-                  f"  held-out accuracy {acc.mean().item():.3f}{split}", flush=True)
+                  f"{rate}  held-out accuracy {acc.mean().item():.3f}{split}", flush=True)
             if args.until is not None and all(
                     acc[val_m == m].mean().item() >= args.until for m in args.registers):
                 print(f"every register count at >= {args.until} held-out accuracy: stopped")

@@ -611,3 +611,17 @@ def test_mode_dependent_help_names_the_real_defaults():
     for name in config.MODE_DEFAULTS["gate"]:
         g, o = config.MODE_DEFAULTS["gate"][name], config.MODE_DEFAULTS["organism"][name]
         assert f"(default: gate {word(g)}, organism {word(o)})" in helps[name], name
+
+
+def test_warmup_cosine_rises_linearly_then_decays_to_a_tenth():
+    """The trainer's schedule: (s + 1) / warmup of the peak during warm-up, the peak right
+    after it, half-way down the cosine (0.55 of the peak) mid-decay, a tenth at the end and
+    after it."""
+    from probekit.training.train import warmup_cosine
+
+    assert [warmup_cosine(s, 2.0, 4, 104) for s in range(4)] == [0.5, 1.0, 1.5, 2.0]
+    assert warmup_cosine(4, 2.0, 4, 104) == 2.0
+    assert warmup_cosine(54, 2.0, 4, 104) == pytest.approx(1.1)
+    assert warmup_cosine(104, 2.0, 4, 104) == pytest.approx(0.2)
+    assert warmup_cosine(500, 2.0, 4, 104) == pytest.approx(0.2)
+    assert warmup_cosine(0, 1.0, 0, 10) == 1.0  # no warm-up: the peak at step 0

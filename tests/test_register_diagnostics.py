@@ -33,11 +33,28 @@ def test_register_plateau_counts_rows_and_prints_accuracy_every_100_steps():
     assert lines[0] == (f"{train} training rows, {held_out} held-out rows; "
                         f"shortcut {shortcut:.3f}")
     steps = [re.match(r"step +(\d+) .* held-out accuracy (\d\.\d{3}) "
-                      r"\(m=2 (\d\.\d{3}), m=4 (\d\.\d{3})\)$", line) for line in lines[1:]]
+                      r"\(m=2 (\d\.\d{3}), m=4 (\d\.\d{3}), "
+                      r"writes 1 (\d\.\d{3}), writes 2 (\d\.\d{3})\)$", line)
+             for line in lines[1:]]
     assert [int(m.group(1)) for m in steps] == [100, 200]
     for m in steps:  # the total is the row-weighted mean of the register counts' accuracies
-        total, two, four = map(float, m.groups()[1:])
+        total, two, four, once, twice = map(float, m.groups()[1:])
         assert total == pytest.approx((16 * 2 * 4 * two + 16 * 2 * 8 * four) / held_out, abs=1e-3)
+        # and the plain mean of the writes' (each has half the rows)
+        assert total == pytest.approx((once + twice) / 2, abs=1e-3)
+
+
+def test_register_plateau_decays_the_learning_rate_as_the_trainer_does():
+    """--lr-schedule cosine sets each step's rate to warmup_cosine (the trainer's schedule);
+    the log line shows the rate of the step just taken."""
+    from probekit.training.train import warmup_cosine
+
+    out = run("register_plateau.py", "--groups", "2", "--steps", "200", "--batch-size", "8",
+              "--lr-schedule", "cosine", "--warmup", "50")
+    assert out.returncode == 0, out.stderr
+    rates = [float(re.search(r"  lr (\S+)  ", line).group(1))
+             for line in out.stdout.splitlines()[1:]]
+    assert rates == [float(f"{warmup_cosine(s, 1e-3, 50, 200):.1e}") for s in (99, 199)]
 
 
 def test_register_plateau_splits_the_accuracy_by_the_pad_line():
@@ -47,8 +64,8 @@ def test_register_plateau_splits_the_accuracy_by_the_pad_line():
               "--pad-rows", "0.5")
     assert out.returncode == 0, out.stderr
     line = out.stdout.splitlines()[1]
-    m = re.match(r"step +100 .* held-out accuracy (\d\.\d{3}) \(pad line (\d\.\d{3}), "
-                 r"none (\d\.\d{3})\)$", line)
+    m = re.match(r"step +100 .* held-out accuracy (\d\.\d{3}) \(writes 1 \d\.\d{3}, "
+                 r"writes 2 \d\.\d{3}, pad line (\d\.\d{3}), none (\d\.\d{3})\)$", line)
     assert m, line
     total, padded, plain = map(float, m.groups())
     assert min(padded, plain) - 1e-3 <= total <= max(padded, plain) + 1e-3
@@ -67,7 +84,9 @@ def test_register_plateau_saves_an_organism_that_init_reads_back(tmp_path):
     assert lines[1].startswith("step   100 ")
     assert lines[2:] == ["every register count at >= 0.01 held-out accuracy: stopped",
                          f"saved the organism in {tmp_path / 'o'}"]
-    trained = re.search(r"held-out accuracy (\d\.\d{3})$", lines[1]).group(1)
+    # the accuracy and its split by writes per register
+    trained = re.search(r"held-out accuracy (\d\.\d{3} \(writes 1 \d\.\d{3}, "
+                        r"writes 2 \d\.\d{3}\))$", lines[1]).group(1)
     again = run("register_plateau.py", "--init", str(tmp_path / "o"), "--evaluate")
     assert again.returncode == 0, again.stderr
     assert again.stdout.splitlines() == ["0 training rows, 256 held-out rows; shortcut 0.750",
@@ -104,8 +123,8 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
     assert out.returncode == 0, out.stderr
     header, line = out.stdout.splitlines()
     assert header == f"0 training rows, {16 * 2 * 2 * 2 * 2} held-out rows; shortcut 0.750"
-    m = re.fullmatch(r"held-out accuracy (\d\.\d{3}) \(null 0 (\d\.\d{3}), "
-                     r"null 2 (\d\.\d{3})\)", line)
+    m = re.fullmatch(r"held-out accuracy (\d\.\d{3}) \(writes 1 \d\.\d{3}, "
+                     r"writes 2 \d\.\d{3}, null 0 (\d\.\d{3}), null 2 (\d\.\d{3})\)", line)
     assert m, line
     total, zero, two = map(float, m.groups())
     assert total == pytest.approx((zero + two) / 2, abs=1e-3)
@@ -129,6 +148,8 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
      "give the --save folder of an earlier run"),
     ("register_plateau.py", ("--d-model", "100", "--n-heads", "3"),
      "register_plateau: error: --d-model (100) must be a multiple of --n-heads (3)"),
+    ("register_plateau.py", ("--lr-schedule", "cosine", "--warmup", "1600"),
+     "register_plateau: error: --warmup must lie in [0, --steps); got 1600"),
     ("register_shapes.py", ("--rows", "0"), "register_shapes: error: --rows must be >= 1; got 0"),
 ])
 def test_bad_flags_get_one_line_errors(script, flags, message):

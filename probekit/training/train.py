@@ -51,12 +51,17 @@ def draw_passes(schedule: tuple[float, ...], generator: torch.Generator) -> int:
     return int(torch.multinomial(torch.tensor(schedule), 1, generator=generator)) + 1
 
 
+def warmup_cosine(step: int, peak: float, warmup: int, steps: int) -> float:
+    """Linear warm-up to ``peak``, then cosine decay to ``peak / 10`` at ``steps``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    frac = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
 def lr_at(step: int, config: TrainConfig) -> float:
-    """Linear warm-up to ``lr``, then cosine decay to ``lr / 10`` at ``steps``."""
-    if step < config.warmup:
-        return config.lr * (step + 1) / config.warmup
-    frac = (step - config.warmup) / max(1, config.steps - config.warmup)
-    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+    """The learning rate of ``step``: ``warmup_cosine`` with the config's rate and steps."""
+    return warmup_cosine(step, config.lr, config.warmup, config.steps)
 
 
 def make_optimizer(params: list[tuple[str, torch.nn.Parameter]],
