@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 import signal
 import sys
 import time
@@ -45,6 +46,8 @@ from probekit.training.config import OrganismConfig
 
 #: Weight of each row's answer under ``--loss all`` (the organism's default answer weight).
 ANSWER_WEIGHT = 20.0
+#: Register names the organism's tokenizer knows (r0..r15): the pool of --names random.
+REGISTER_NAMES = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +72,10 @@ class Args:
     batch_size: int = 64
     groups: int = 2000
     """training groups (schedule, complement, every query) per (m, writes)"""
+    names: Literal["paper", "random"] = "paper"
+    """register names of the training rows: the paper's r0..r(m-1), or m distinct names
+    drawn per row from r0..r15 (every name then trains on every register count; the
+    held-out rows keep the paper's names, those of the probe sets)"""
     pad_rows: float = 0.0
     """share of the rows with the "# pad" line before the query"""
     seed: int = 0
@@ -89,6 +96,11 @@ class Args:
     """organism transformer blocks (ignored with --init)"""
 
 
+def rename_registers(text: str, names: list[int]) -> str:
+    """``text`` with every register ``r<i>`` renamed ``r<names[i]>`` (the query too)."""
+    return re.sub(r"\br(\d+)\b", lambda r: f"r{names[int(r.group(1))]}", text)
+
+
 def usage_error(message: str) -> int:
     """Print a bad flag's one-line error; the exit status to return."""
     print(f"register_plateau: error: {message}", file=sys.stderr)
@@ -106,6 +118,9 @@ def main() -> int:
     if min(args.registers + args.writes) < 1 or min(args.null_updates) < 0:
         return usage_error("--registers and --writes must be counts >= 1 and "
                            "--null-updates >= 0")
+    if args.names == "random" and max(args.registers) > REGISTER_NAMES:
+        return usage_error(f"--names random draws from {REGISTER_NAMES} register names; "
+                           f"--registers {max(args.registers)} needs more")
     if not 0 <= args.pad_rows <= 1:
         return usage_error(f"--pad-rows must lie in [0, 1]; got {args.pad_rows}")
     if args.until is not None and not 0 < args.until <= 1:
@@ -130,10 +145,10 @@ def main() -> int:
     torch.set_num_threads(1)
     tok = fit_tokenizer()
 
-    def rows(n_groups: int, stream: int) -> tuple[list[list[int]], list[int], list[int],
-                                                  list[bool], list[int]]:
+    def rows(n_groups: int, stream: int, rename: bool = False
+             ) -> tuple[list[list[int]], list[int], list[int], list[bool], list[int]]:
         """Token ids of every row, each row's register count and writes per register,
-        whether it has the pad line and its null updates."""
+        whether it has the pad line and its null updates; ``rename``: --names random."""
         texts, ms, ws, padded, nulls = [], [], [], [], []
         rng = random.Random(stream)
         for m in args.registers:
@@ -147,15 +162,17 @@ def main() -> int:
                     for ex in data.examples:
                         pad = rng.random() < args.pad_rows
                         line = filler_line(rng.randrange(6)) if pad else ""
-                        texts.append(ex.text.replace("query = ", line + "query = ") + " "
-                                     + ex.label)
+                        text = ex.text.replace("query = ", line + "query = ") + " " + ex.label
+                        if rename:
+                            text = rename_registers(text, rng.sample(range(REGISTER_NAMES), m))
+                        texts.append(text)
                         padded.append(pad)
                     ms += [m] * len(data.examples)
                     ws += [w] * len(data.examples)
                     nulls += [n] * len(data.examples)
         return tok(texts, add_special_tokens=False)["input_ids"], ms, ws, padded, nulls
 
-    train = rows(args.groups, 7)[0] if not args.evaluate else []
+    train = rows(args.groups, 7, args.names == "random")[0] if not args.evaluate else []
     val, val_m, val_w, val_padded, val_nulls = rows(max(1, 128 // (
         max(args.registers) * len(args.writes) * len(args.null_updates))), 99)
     # the shortcut's expected accuracy on the held-out rows
