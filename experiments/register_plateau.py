@@ -15,9 +15,10 @@ per register when there are several. Several ``--null-updates`` counts move the
 assignments away from the query by varied distances (the accuracy is then printed per count
 too). ``--save`` keeps the trained organism (also when the run is stopped with Ctrl-C or
 SIGTERM), ``--init`` starts from one (staged training: two registers first, then more),
-``--evaluate`` only scores one, ``--until`` stops once every register count reaches an
-accuracy, ``--d-model`` / ``--n-heads`` / ``--n-blocks`` change the shape, and
-``--lr-schedule cosine`` decays the learning rate as probekit's trainer does.
+``--evaluate`` only scores one (also per queried register), ``--until`` stops once every
+register count reaches an accuracy, ``--d-model`` / ``--n-heads`` / ``--n-blocks`` change
+the shape, ``--lr-schedule cosine`` decays the learning rate as probekit's trainer does,
+and ``--names random`` trains on rows whose register names are drawn per row.
 
     python experiments/register_plateau.py --registers 2 --writes 1 2 --loss last
     python experiments/register_plateau.py --registers 2 --writes 1 2 --loss all
@@ -146,10 +147,12 @@ def main() -> int:
     tok = fit_tokenizer()
 
     def rows(n_groups: int, stream: int, rename: bool = False
-             ) -> tuple[list[list[int]], list[int], list[int], list[bool], list[int]]:
+             ) -> tuple[list[list[int]], list[int], list[int], list[bool], list[int],
+                        list[int]]:
         """Token ids of every row, each row's register count and writes per register,
-        whether it has the pad line and its null updates; ``rename``: --names random."""
-        texts, ms, ws, padded, nulls = [], [], [], [], []
+        whether it has the pad line, its null updates and its queried register;
+        ``rename``: --names random."""
+        texts, ms, ws, padded, nulls, queries = [], [], [], [], [], []
         rng = random.Random(stream)
         for m in args.registers:
             for w in args.writes:
@@ -166,19 +169,21 @@ def main() -> int:
                         if rename:
                             text = rename_registers(text, rng.sample(range(REGISTER_NAMES), m))
                         texts.append(text)
+                        queries.append(ex.condition["query"])
                         padded.append(pad)
                     ms += [m] * len(data.examples)
                     ws += [w] * len(data.examples)
                     nulls += [n] * len(data.examples)
-        return tok(texts, add_special_tokens=False)["input_ids"], ms, ws, padded, nulls
+        return (tok(texts, add_special_tokens=False)["input_ids"], ms, ws, padded, nulls,
+                queries)
 
     train = rows(args.groups, 7, args.names == "random")[0] if not args.evaluate else []
-    val, val_m, val_w, val_padded, val_nulls = rows(max(1, 128 // (
+    val, val_m, val_w, val_padded, val_nulls, val_q = rows(max(1, 128 // (
         max(args.registers) * len(args.writes) * len(args.null_updates))), 99)
     # the shortcut's expected accuracy on the held-out rows
     shortcut = sum(1 / m + (1 - 1 / m) / 2 for m in val_m) / len(val_m)
-    val_padded, val_m, val_w, val_nulls = map(torch.tensor,
-                                              (val_padded, val_m, val_w, val_nulls))
+    val_padded, val_m, val_w, val_nulls, val_q = map(
+        torch.tensor, (val_padded, val_m, val_w, val_nulls, val_q))
     if args.init is None:
         model = build_organism(tok, shape, seed=args.seed)
     else:
@@ -210,6 +215,9 @@ def main() -> int:
         if len(args.null_updates) > 1:
             parts += [f"null {n} {acc[val_nulls == n].mean().item():.3f}"
                       for n in args.null_updates]
+        if args.evaluate:  # which registers the organism binds (the names the rows use)
+            parts += [f"r{q} {acc[val_q == q].mean().item():.3f}"
+                      for q in range(max(args.registers))]
         if val_padded.any() and not val_padded.all():
             parts += [f"pad line {acc[val_padded].mean().item():.3f}",
                       f"none {acc[~val_padded].mean().item():.3f}"]

@@ -57,6 +57,30 @@ def test_register_plateau_decays_the_learning_rate_as_the_trainer_does():
     assert rates == [float(f"{warmup_cosine(s, 1e-3, 50, 200):.1e}") for s in (99, 199)]
 
 
+def test_rename_registers_renames_every_register_and_the_query_alike():
+    sys.path.insert(0, str(EXPERIMENTS))
+    try:
+        from register_plateau import rename_registers
+    finally:
+        sys.path.remove(str(EXPERIMENTS))
+    text = "r2 = 1\nr0 = 0\nr1 = 1\nr10 = 0\nscratch = 0\nquery = r2\nValue: one"
+    names = [11, 3, 7] + list(range(4, 10)) + [0, 1]
+    assert rename_registers(text, names) == (
+        "r7 = 1\nr11 = 0\nr3 = 1\nr1 = 0\nscratch = 0\nquery = r7\nValue: one")
+
+
+def test_register_plateau_trains_on_renamed_registers_and_scores_the_papers_names():
+    """--names random changes the training rows only: the held-out rows (and their count
+    and shortcut) are those of the paper's names."""
+    flags = ("--groups", "2", "--steps", "100", "--batch-size", "8")
+    paper, renamed = (run("register_plateau.py", *flags, *names)
+                      for names in ((), ("--names", "random")))
+    assert paper.returncode == renamed.returncode == 0, renamed.stderr
+    assert paper.stdout.splitlines()[0] == renamed.stdout.splitlines()[0]
+    # ...and the training rows differ: the same seed trains to another loss
+    assert paper.stdout.splitlines()[1] != renamed.stdout.splitlines()[1]
+
+
 def test_register_plateau_splits_the_accuracy_by_the_pad_line():
     """With --pad-rows the held-out accuracy is also printed for the rows with and without
     the "# pad" line; the total, their row-weighted mean, lies between them."""
@@ -86,11 +110,17 @@ def test_register_plateau_saves_an_organism_that_init_reads_back(tmp_path):
                          f"saved the organism in {tmp_path / 'o'}"]
     # the accuracy and its split by writes per register
     trained = re.search(r"held-out accuracy (\d\.\d{3} \(writes 1 \d\.\d{3}, "
-                        r"writes 2 \d\.\d{3}\))$", lines[1]).group(1)
+                        r"writes 2 \d\.\d{3})\)$", lines[1]).group(1)
     again = run("register_plateau.py", "--init", str(tmp_path / "o"), "--evaluate")
     assert again.returncode == 0, again.stderr
-    assert again.stdout.splitlines() == ["0 training rows, 256 held-out rows; shortcut 0.750",
-                                         f"held-out accuracy {trained}"]
+    header, line = again.stdout.splitlines()
+    assert header == "0 training rows, 256 held-out rows; shortcut 0.750"
+    # --evaluate adds the accuracy per queried register (each has half the rows)
+    m = re.fullmatch(re.escape(f"held-out accuracy {trained}")
+                     + r", r0 (\d\.\d{3}), r1 (\d\.\d{3})\)", line)
+    assert m, (trained, line)
+    r0, r1 = map(float, m.groups())
+    assert float(trained[:5]) == pytest.approx((r0 + r1) / 2, abs=1e-3)
 
 
 def test_register_plateau_saves_what_it_learned_when_stopped(tmp_path):
@@ -124,7 +154,8 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
     header, line = out.stdout.splitlines()
     assert header == f"0 training rows, {16 * 2 * 2 * 2 * 2} held-out rows; shortcut 0.750"
     m = re.fullmatch(r"held-out accuracy (\d\.\d{3}) \(writes 1 \d\.\d{3}, "
-                     r"writes 2 \d\.\d{3}, null 0 (\d\.\d{3}), null 2 (\d\.\d{3})\)", line)
+                     r"writes 2 \d\.\d{3}, null 0 (\d\.\d{3}), null 2 (\d\.\d{3}), "
+                     r"r0 \d\.\d{3}, r1 \d\.\d{3}\)", line)
     assert m, line
     total, zero, two = map(float, m.groups())
     assert total == pytest.approx((zero + two) / 2, abs=1e-3)
@@ -150,6 +181,9 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
      "register_plateau: error: --d-model (100) must be a multiple of --n-heads (3)"),
     ("register_plateau.py", ("--lr-schedule", "cosine", "--warmup", "1600"),
      "register_plateau: error: --warmup must lie in [0, --steps); got 1600"),
+    ("register_plateau.py", ("--names", "random", "--registers", "2", "17"),
+     "register_plateau: error: --names random draws from 16 register names; --registers 17 "
+     "needs more"),
     ("register_shapes.py", ("--rows", "0"), "register_shapes: error: --rows must be >= 1; got 0"),
 ])
 def test_bad_flags_get_one_line_errors(script, flags, message):
