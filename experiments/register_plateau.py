@@ -116,6 +116,9 @@ def main() -> int:
                                f"{getattr(args, name)}")
     if not 0 <= args.warmup < args.steps:
         return usage_error(f"--warmup must lie in [0, --steps); got {args.warmup}")
+    if args.warmup and args.lr_schedule == "constant":
+        return usage_error("--warmup needs --lr-schedule cosine (the constant rate has no "
+                           "warm-up)")
     if min(args.registers + args.writes) < 1 or min(args.null_updates) < 0:
         return usage_error("--registers and --writes must be counts >= 1 and "
                            "--null-updates >= 0")

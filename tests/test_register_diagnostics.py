@@ -181,6 +181,9 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
      "register_plateau: error: --d-model (100) must be a multiple of --n-heads (3)"),
     ("register_plateau.py", ("--lr-schedule", "cosine", "--warmup", "1600"),
      "register_plateau: error: --warmup must lie in [0, --steps); got 1600"),
+    ("register_plateau.py", ("--warmup", "50"),
+     "register_plateau: error: --warmup needs --lr-schedule cosine (the constant rate has no "
+     "warm-up)"),
     ("register_plateau.py", ("--names", "random", "--registers", "2", "17"),
      "register_plateau: error: --names random draws from 16 register names; --registers 17 "
      "needs more"),
