@@ -44,11 +44,10 @@ import transformers
 import tyro
 
 from probekit.training.config import OrganismConfig
+from probekit.training.organism import REGISTER_NAMES  # the pool of --names random
 
 #: Weight of each row's answer under ``--loss all`` (the organism's default answer weight).
 ANSWER_WEIGHT = 20.0
-#: Register names the organism's tokenizer knows (r0..r15): the pool of --names random.
-REGISTER_NAMES = 16
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,6 +58,8 @@ ORGANISM_TASKS = ("completion", "memory", "registers")
 #: small model many more examples to learn than delayed memory.
 TASK_SHARES = {"completion": 2, "memory": 1, "registers": 2}
 LABEL_WORDS = ("more", "done", "zero", "one")
+#: Register names the tokenizer always knows, r0 .. r(REGISTER_NAMES - 1).
+REGISTER_NAMES = 16
 
 
 def _word_tokenizer(vocab: dict[str, int]) -> transformers.PreTrainedTokenizerFast:
@@ -94,7 +96,7 @@ def fit_tokenizer(tasks: Sequence[str] = VOCAB_TASKS) -> transformers.PreTrained
         for d in data.values() if isinstance(data, dict) else [data]:
             texts += d.texts
     words = _words(texts) | set(LABEL_WORDS) | {str(i) for i in range(100)}
-    words |= {f"r{i}" for i in range(16)} | {"#", FILLER_WORD.strip()}
+    words |= {f"r{i}" for i in range(REGISTER_NAMES)} | {"#", FILLER_WORD.strip()}
     vocab = {EOT: 0, UNK: 1, "\n": 2}
     for w in sorted(words):
         vocab.setdefault(w, len(vocab))
