@@ -18,7 +18,8 @@ SIGTERM), ``--init`` starts from one (staged training: two registers first, then
 ``--evaluate`` only scores one (also per queried register), ``--until`` stops once every
 register count reaches an accuracy, ``--d-model`` / ``--n-heads`` / ``--n-blocks`` change
 the shape, ``--lr-schedule cosine`` decays the learning rate as probekit's trainer does,
-and ``--names random`` trains on rows whose register names are drawn per row.
+and ``--names random`` trains on rows whose register names are drawn per row (from the
+first ``--name-pool`` names).
 
     python experiments/register_plateau.py --registers 2 --writes 1 2 --loss last
     python experiments/register_plateau.py --registers 2 --writes 1 2 --loss all
@@ -74,8 +75,11 @@ class Args:
     """training groups (schedule, complement, every query) per (m, writes)"""
     names: Literal["paper", "random"] = "paper"
     """register names of the training rows: the paper's r0..r(m-1), or m distinct names
-    drawn per row from r0..r15 (every name then trains on every register count; the
-    held-out rows keep the paper's names, those of the probe sets)"""
+    drawn per row from the --name-pool (every name then trains on every register count;
+    the held-out rows keep the paper's names, those of the probe sets)"""
+    name_pool: int | None = None
+    """--names random draws from r0..r(N-1) (default all 16; a curriculum of names: a
+    two-register organism that binds r0 and r1 meets r2, r3 with --name-pool 4)"""
     pad_rows: float = 0.0
     """share of the rows with the "# pad" line before the query"""
     seed: int = 0
@@ -121,8 +125,15 @@ def main() -> int:
     if min(args.registers + args.writes) < 1 or min(args.null_updates) < 0:
         return usage_error("--registers and --writes must be counts >= 1 and "
                            "--null-updates >= 0")
-    if args.names == "random" and max(args.registers) > REGISTER_NAMES:
-        return usage_error(f"--names random draws from {REGISTER_NAMES} register names; "
+    if args.name_pool is not None and args.names != "random":
+        return usage_error("--name-pool needs --names random (the paper's names are "
+                           "r0..r(m-1))")
+    pool = REGISTER_NAMES if args.name_pool is None else args.name_pool
+    if not 1 <= pool <= REGISTER_NAMES:
+        return usage_error(f"--name-pool must lie in [1, {REGISTER_NAMES}] (the tokenizer "
+                           f"knows r0..r{REGISTER_NAMES - 1}); got {pool}")
+    if args.names == "random" and max(args.registers) > pool:
+        return usage_error(f"--names random draws from {pool} register names; "
                            f"--registers {max(args.registers)} needs more")
     if not 0 <= args.pad_rows <= 1:
         return usage_error(f"--pad-rows must lie in [0, 1]; got {args.pad_rows}")
@@ -169,7 +180,7 @@ def main() -> int:
                         line = filler_line(rng.randrange(6)) if pad else ""
                         text = ex.text.replace("query = ", line + "query = ") + " " + ex.label
                         if rename:
-                            text = rename_registers(text, rng.sample(range(REGISTER_NAMES), m))
+                            text = rename_registers(text, rng.sample(range(pool), m))
                         texts.append(text)
                         queries.append(ex.condition["query"])
                         padded.append(pad)

@@ -73,12 +73,14 @@ def test_register_plateau_trains_on_renamed_registers_and_scores_the_papers_name
     """--names random changes the training rows only: the held-out rows (and their count
     and shortcut) are those of the paper's names."""
     flags = ("--groups", "2", "--steps", "100", "--batch-size", "8")
-    paper, renamed = (run("register_plateau.py", *flags, *names)
-                      for names in ((), ("--names", "random")))
-    assert paper.returncode == renamed.returncode == 0, renamed.stderr
-    assert paper.stdout.splitlines()[0] == renamed.stdout.splitlines()[0]
-    # ...and the training rows differ: the same seed trains to another loss
-    assert paper.stdout.splitlines()[1] != renamed.stdout.splitlines()[1]
+    paper, renamed, pooled = (run("register_plateau.py", *flags, *names) for names in (
+        (), ("--names", "random"), ("--names", "random", "--name-pool", "4")))
+    for out in (paper, renamed, pooled):
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines()[0] == paper.stdout.splitlines()[0]
+    # ...and the training rows differ: the same seed trains to another loss (the pool of
+    # names, r0..r3 or r0..r15, draws other names from the same stream)
+    assert len({out.stdout.splitlines()[1] for out in (paper, renamed, pooled)}) == 3
 
 
 def test_register_plateau_splits_the_accuracy_by_the_pad_line():
@@ -187,6 +189,15 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
     ("register_plateau.py", ("--names", "random", "--registers", "2", "17"),
      "register_plateau: error: --names random draws from 16 register names; --registers 17 "
      "needs more"),
+    ("register_plateau.py", ("--names", "random", "--name-pool", "2", "--registers", "4"),
+     "register_plateau: error: --names random draws from 2 register names; --registers 4 "
+     "needs more"),
+    ("register_plateau.py", ("--names", "random", "--name-pool", "17"),
+     "register_plateau: error: --name-pool must lie in [1, 16] (the tokenizer knows "
+     "r0..r15); got 17"),
+    ("register_plateau.py", ("--name-pool", "4"),
+     "register_plateau: error: --name-pool needs --names random (the paper's names are "
+     "r0..r(m-1))"),
     ("register_shapes.py", ("--rows", "0"), "register_shapes: error: --rows must be >= 1; got 0"),
 ])
 def test_bad_flags_get_one_line_errors(script, flags, message):
