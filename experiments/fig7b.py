@@ -11,11 +11,14 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import tyro
 
 from probekit.analysis.across_runs import combine_runs
+from probekit.commands.common import FLAT
+from probekit.training.config import OrganismConfig
 from probekit.training.organism_cache import Recipe, sealed
 
 SWEEPS = {"register-sweep": "m", "overwrite-sweep": "writes"}
@@ -30,20 +33,28 @@ class Args:
     """training steps of the register organisms (the script's STEPS)"""
     tasks: tuple[str, ...] = ("registers",)
     """training tasks of the register organisms (the script's TASKS)"""
+    shape: Annotated[OrganismConfig, FLAT] = OrganismConfig()
+    """the register organisms' shape (the script's SHAPE)"""
     out: Path = Path("figures")
 
 
 def main() -> int:
-    args = tyro.cli(Args)
+    try:
+        args = tyro.cli(Args)
+    except ValueError as err:  # a shape that cannot be built
+        print(f"fig7b: error: {err}", file=sys.stderr)
+        return 2
     combined = {}
     for sweep in SWEEPS:
         runs = {f"latent-feedback-seed{s}": json.loads(
             (args.run / f"seed{s}" / sweep / "summary.json").read_text()) for s in args.seeds}
         combined[sweep] = combine_runs(runs)["mechanisms"]["latent-feedback"]
     claims = _claims(combined)
-    organisms = {s: {k: sealed(Recipe.default(s, tasks=args.tasks, steps=args.steps))[k]
+    organisms = {s: {k: sealed(Recipe.default(s, tasks=args.tasks, shape=args.shape,
+                                              steps=args.steps))[k]
                      for k in ("train_seconds", "task_accuracy", "steps")} for s in args.seeds}
-    out = {"seeds": list(args.seeds), "organisms": organisms, "claims": claims,
+    out = {"seeds": list(args.seeds), "shape": dataclasses.asdict(args.shape),
+           "organisms": organisms, "claims": claims,
            "results": {sweep: c["datasets"] for sweep, c in combined.items()},
            "wall_seconds": {sweep: c["wall_seconds"] for sweep, c in combined.items()}}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,9 @@
 # writes per register, 180 / 276 / 468 tokens, 2,048 examples each) under standard, last-k
 # (k = 1, 2, 4) and full recurrent prefill, probed at every depth, with App. F's matched
 # pairs (same history, different queried register) for patching. The organisms are trained
-# on TASKS (default `--tasks registers`; probekit's cache) for STEPS steps (default 4,000).
+# on TASKS (default `--tasks registers`; probekit's cache) for STEPS steps (default 4,000),
+# at the organism shape SHAPE (default probekit's; e.g. SHAPE="--d-model 256 --n-heads 8",
+# the width that learned two registers in experiments/register_plateau.py).
 # In our runs no such organism learned the task (seed 0: 2,000 to 8,000 steps, four kinds
 # of training rows; they learn the latest write but not which register was asked for:
 # docs/latent-feedback.md, experiments/register_shapes.py), so check the printed task
@@ -23,11 +25,12 @@ RUN=${RUN:-runs/latent-feedback-fig7b}
 SEEDS=${SEEDS:-0 1 2}
 STEPS=${STEPS:-4000}
 TASKS=${TASKS:-registers}   # the organism's training tasks, e.g. "completion memory registers"
+SHAPE=${SHAPE:-}            # organism shape flags, e.g. "--d-model 256 --n-heads 8"
 
 for seed in $SEEDS; do
-    # shellcheck disable=SC2086  # TASKS is a list of words
+    # shellcheck disable=SC2086  # TASKS and SHAPE are lists of words
     ckpt=$("$PYTHON" experiments/organism_checkpoint.py --seed "$seed" --tasks $TASKS \
-        --steps "$STEPS")
+        --steps "$STEPS" $SHAPE)
     for sweep_examples in register-sweep:3840 overwrite-sweep:6144; do
         sweep=${sweep_examples%%:*}
         "$PROBEKIT" run state-tracking --mechanism latent-feedback --checkpoint "$ckpt" \
@@ -38,4 +41,4 @@ for seed in $SEEDS; do
 done
 mkdir -p figures
 # shellcheck disable=SC2086
-"$PYTHON" experiments/fig7b.py "$RUN" --seeds $SEEDS --steps "$STEPS" --tasks $TASKS
+"$PYTHON" experiments/fig7b.py "$RUN" --seeds $SEEDS --steps "$STEPS" --tasks $TASKS $SHAPE

@@ -6,16 +6,20 @@ organism trained with a non-default schedule, fed-back state or task mix.
     python experiments/organism_checkpoint.py --seed 0 --schedule 0.75 0.25 --steps 3000
     python experiments/organism_checkpoint.py --seed 0 --feed residual
     python experiments/organism_checkpoint.py --seed 0 --tasks registers
+    python experiments/organism_checkpoint.py --seed 0 --tasks registers --d-model 256 \
+        --n-heads 8
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Literal
+from typing import Annotated, Literal
 
 import tyro
 
+from probekit.commands.common import FLAT
+from probekit.training.config import OrganismConfig
 from probekit.training.organism_cache import Recipe, sealed, trained_organism
 
 
@@ -31,12 +35,19 @@ class Args:
     """which top state is fed back"""
     tasks: tuple[Literal["completion", "memory", "registers"], ...] | None = None
     """training tasks (default: completion memory)"""
+    shape: Annotated[OrganismConfig, FLAT] = OrganismConfig()
+    """the organism's shape (--d-model, --n-heads, ...; default probekit's)"""
 
 
 def main() -> int:
-    args = tyro.cli(Args)
+    try:
+        args = tyro.cli(Args)
+    except ValueError as err:  # a shape that cannot be built
+        print(f"organism_checkpoint: error: {err}", file=sys.stderr)
+        return 2
     extra = {k: v for k, v in (("schedule", args.schedule), ("steps", args.steps)) if v}
-    recipe = Recipe.default(args.seed, tasks=args.tasks, feed=args.feed, **extra)
+    recipe = Recipe.default(args.seed, tasks=args.tasks, shape=args.shape, feed=args.feed,
+                            **extra)
     ckpt = trained_organism(recipe, log=lambda line: print(line, file=sys.stderr))
     record = sealed(recipe)
     print(f"trained in {record['train_seconds']:.0f} s; task accuracy "

@@ -153,6 +153,16 @@ def test_register_row_constants_key_only_the_recipes_that_train_on_registers(mon
     assert plain.key() == "fbbf51d681"
 
 
+def test_the_default_recipe_takes_a_shape_that_keys_its_organisms():
+    """Recipe.default(shape=...) (organism_checkpoint.py --d-model ...) trains that shape;
+    the default shape keeps the default key."""
+    wide = Recipe.default(0, tasks=("registers",), shape=OrganismConfig(d_model=256, n_heads=8))
+    narrow = Recipe.default(0, tasks=("registers",))
+    assert wide.shape.d_model == 256 and narrow.shape == OrganismConfig()
+    assert wide.key() != narrow.key()
+    assert Recipe.default(0, shape=OrganismConfig()).key() == "fbbf51d681"
+
+
 def test_seal_records_every_file_and_problem_finds_a_missing_one(tmp_path):
     folder = tmp_path / "f"
     (folder / "sub").mkdir(parents=True)

@@ -199,6 +199,10 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
      "register_plateau: error: --name-pool needs --names random (the paper's names are "
      "r0..r(m-1))"),
     ("register_shapes.py", ("--rows", "0"), "register_shapes: error: --rows must be >= 1; got 0"),
+    ("organism_checkpoint.py", ("--d-model", "100", "--n-heads", "3"),
+     "organism_checkpoint: error: --d-model (100) must be a multiple of --n-heads (3)"),
+    ("fig7b.py", ("runs/none", "--n-blocks", "0"),
+     "fig7b: error: --n-blocks (organism shape) must be a positive integer; got 0"),
 ])
 def test_bad_flags_get_one_line_errors(script, flags, message):
     out = run(script, *flags)

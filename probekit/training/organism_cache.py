@@ -58,11 +58,13 @@ class Recipe:
 
     @classmethod
     def default(cls, seed: int = 0, tasks: tuple[str, ...] | None = None,
-                **train: Any) -> Recipe:
+                shape: OrganismConfig | None = None, **train: Any) -> Recipe:
         """The default recipe with training seed ``seed``, training ``tasks`` (None: the
-        default two) and any other ``TrainConfig`` field."""
+        default two), organism ``shape`` (None: the default) and any other ``TrainConfig``
+        field."""
         data = DataConfig() if tasks is None else DataConfig(tasks=tuple(tasks))
-        return cls(train=TrainConfig(mode="organism", seed=seed, **train), data=data)
+        return cls(train=TrainConfig(mode="organism", seed=seed, **train), data=data,
+                   shape=shape or OrganismConfig())
 
     def key(self) -> str:
         # the step count is no part of a run's identity (train-feedback resumes to more
