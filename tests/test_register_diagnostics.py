@@ -1,5 +1,5 @@
-"""The register diagnostics of experiments/ (docs/latent-feedback.md, Fig. 7b): their
-row accounting, their output, and their one-line errors."""
+"""The register diagnostics and Fig. 7b scripts of experiments/ (docs/latent-feedback.md):
+their row accounting, their output, and their one-line errors."""
 
 from __future__ import annotations
 
