@@ -4,6 +4,7 @@ organism trained with a non-default schedule, fed-back state or task mix.
 
     python experiments/organism_checkpoint.py --seed 0
     python experiments/organism_checkpoint.py --seed 0 --schedule 0.75 0.25 --steps 3000
+    python experiments/organism_checkpoint.py --seed 2 --weight-decay 0.1
     python experiments/organism_checkpoint.py --seed 0 --feed residual
     python experiments/organism_checkpoint.py --seed 0 --tasks registers
     python experiments/organism_checkpoint.py --seed 0 --tasks registers --d-model 256 \
@@ -31,6 +32,12 @@ class Args:
     """probabilities of 1, 2, 3, ... passes (default: the recipe's 0.75 0.22 0.03)"""
     steps: int | None = None
     """training steps (default: the recipe's 2000)"""
+    lr: float | None = None
+    """peak learning rate (default: the recipe's 0.002)"""
+    weight_decay: float | None = None
+    """AdamW weight decay on matrices (default: the recipe's 0.01)"""
+    feedback_start: int | None = None
+    """first step with feedback passes (default: the recipe's 600)"""
     feed: Literal["normed", "residual"] = "normed"
     """which top state is fed back"""
     tasks: tuple[Literal["completion", "memory", "registers"], ...] | None = None
@@ -39,15 +46,23 @@ class Args:
     """the organism's shape (--d-model, --n-heads, ...; default probekit's)"""
 
 
+#: Training flags that override the default recipe only when given.
+OVERRIDES = ("schedule", "steps", "lr", "weight_decay", "feedback_start")
+
+
+def recipe_of(args: Args) -> Recipe:
+    """The default recipe with the flags given in ``args``."""
+    extra = {k: getattr(args, k) for k in OVERRIDES if getattr(args, k) is not None}
+    return Recipe.default(args.seed, tasks=args.tasks, shape=args.shape, feed=args.feed,
+                          **extra)
+
+
 def main() -> int:
-    try:
-        args = tyro.cli(Args)
-    except ValueError as err:  # a shape that cannot be built
+    try:  # a shape that cannot be built, a value TrainConfig refuses (e.g. --lr 0)
+        recipe = recipe_of(tyro.cli(Args))
+    except ValueError as err:
         print(f"organism_checkpoint: error: {err}", file=sys.stderr)
         return 2
-    extra = {k: v for k, v in (("schedule", args.schedule), ("steps", args.steps)) if v}
-    recipe = Recipe.default(args.seed, tasks=args.tasks, shape=args.shape, feed=args.feed,
-                            **extra)
     ckpt = trained_organism(recipe, log=lambda line: print(line, file=sys.stderr))
     record = sealed(recipe)
     print(f"trained in {record['train_seconds']:.0f} s; task accuracy "

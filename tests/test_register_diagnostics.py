@@ -57,6 +57,21 @@ def test_register_plateau_decays_the_learning_rate_as_the_trainer_does():
     assert rates == [float(f"{warmup_cosine(s, 1e-3, 50, 200):.1e}") for s in (99, 199)]
 
 
+def test_organism_checkpoint_flags_override_the_default_recipe_only_when_given():
+    sys.path.insert(0, str(EXPERIMENTS))
+    try:
+        from organism_checkpoint import Args, recipe_of
+    finally:
+        sys.path.remove(str(EXPERIMENTS))
+    from probekit.training.organism_cache import Recipe
+
+    assert recipe_of(Args()).key() == "fbbf51d681"  # the default organism's cache key
+    varied = recipe_of(Args(seed=2, weight_decay=0.1, lr=1e-3, feedback_start=1200))
+    assert varied == Recipe.default(2, weight_decay=0.1, lr=1e-3, feedback_start=1200)
+    assert (varied.train.weight_decay, varied.train.lr, varied.train.feedback_start) == (
+        0.1, 1e-3, 1200)
+
+
 def test_rename_registers_renames_every_register_and_the_query_alike():
     sys.path.insert(0, str(EXPERIMENTS))
     try:
@@ -201,6 +216,14 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
     ("register_shapes.py", ("--rows", "0"), "register_shapes: error: --rows must be >= 1; got 0"),
     ("organism_checkpoint.py", ("--d-model", "100", "--n-heads", "3"),
      "organism_checkpoint: error: --d-model (100) must be a multiple of --n-heads (3)"),
+    ("organism_checkpoint.py", ("--steps", "0"),
+     "organism_checkpoint: error: --steps must be a positive integer; got 0"),
+    ("organism_checkpoint.py", ("--lr", "0"),
+     "organism_checkpoint: error: --lr must be > 0; got 0.0"),
+    ("organism_checkpoint.py", ("--weight-decay", "-1"),
+     "organism_checkpoint: error: --weight-decay must be >= 0; got -1.0"),
+    ("organism_checkpoint.py", ("--feedback-start", "-5"),
+     "organism_checkpoint: error: --feedback-start must be an integer >= 0; got -5"),
     ("fig7b.py", ("runs/none", "--n-blocks", "0"),
      "fig7b: error: --n-blocks (organism shape) must be a positive integer; got 0"),
 ])
