@@ -5,6 +5,7 @@ organism trained with a non-default schedule, fed-back state or task mix.
     python experiments/organism_checkpoint.py --seed 0
     python experiments/organism_checkpoint.py --seed 0 --schedule 0.75 0.25 --steps 3000
     python experiments/organism_checkpoint.py --seed 2 --weight-decay 0.1
+    python experiments/organism_checkpoint.py --seed 3 --fixed-point 0.1
     python experiments/organism_checkpoint.py --seed 0 --feed residual
     python experiments/organism_checkpoint.py --seed 0 --tasks registers
     python experiments/organism_checkpoint.py --seed 0 --tasks registers --d-model 256 \
@@ -38,6 +39,8 @@ class Args:
     """AdamW weight decay on matrices (default: the recipe's 0.01)"""
     feedback_start: int | None = None
     """first step with feedback passes (default: the recipe's 600)"""
+    fixed_point: float | None = None
+    """share of feedback batches fed the exact full-recurrence state (default: the recipe's 0)"""
     feed: Literal["normed", "residual"] = "normed"
     """which top state is fed back"""
     tasks: tuple[Literal["completion", "memory", "registers"], ...] | None = None
@@ -47,7 +50,7 @@ class Args:
 
 
 #: Training flags that override the default recipe only when given.
-OVERRIDES = ("schedule", "steps", "lr", "weight_decay", "feedback_start")
+OVERRIDES = ("schedule", "steps", "lr", "weight_decay", "feedback_start", "fixed_point")
 
 
 def recipe_of(args: Args) -> Recipe:

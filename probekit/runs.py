@@ -80,12 +80,27 @@ def not_identity(default: Any = dataclasses.MISSING, **kw) -> Any:
     return dataclasses.field(metadata={"identity": False}, **kw)
 
 
+def added_later(default: Any, **kw) -> Any:
+    """A dataclass field added after results were keyed by :func:`identity`: it enters the
+    identity only when it differs from ``default``, so every earlier run, cached organism
+    and recipe keeps its key."""
+    return dataclasses.field(default=default, metadata={"identity": "unless-default"}, **kw)
+
+
+def _in_identity(config: Any, f: dataclasses.Field) -> bool:
+    rule = f.metadata.get("identity", True)
+    if rule == "unless-default":
+        return getattr(config, f.name) != f.default
+    return rule
+
+
 def identity(config: Any) -> Any:
     """The JSON-friendly identity of a config: dataclasses become dicts of their fields,
-    recursively, without fields marked :func:`not_identity`."""
+    recursively, without fields marked :func:`not_identity` (nor fields marked
+    :func:`added_later` that hold their default)."""
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         return {f.name: identity(getattr(config, f.name)) for f in dataclasses.fields(config)
-                if f.metadata.get("identity", True)}
+                if _in_identity(config, f)}
     if isinstance(config, Mapping):
         return {str(k): identity(v) for k, v in config.items()}
     if isinstance(config, (list, tuple)):

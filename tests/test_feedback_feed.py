@@ -25,7 +25,7 @@ from probekit.mechanisms.latent_feedback import (
 )
 from probekit.training.checkpoint import load_checkpoint, restore_training, save_checkpoint
 from probekit.training.config import TrainConfig
-from probekit.training.objective import multipass_loss
+from probekit.training.objective import fixed_point_loss, multipass_loss
 from probekit.training.train import make_optimizer
 
 torch.set_num_threads(1)
@@ -195,6 +195,20 @@ def test_residual_feed_trains_through_the_fed_back_residual(model):
     _, losses, _ = multipass_loss(model.hf_model, gate, ids, valid, 3)
     g3 = torch.autograd.grad(losses[2], gate.W_U.weight)[0]
     assert g3.abs().max() > 0
+
+
+def test_fixed_point_pass_feeds_the_full_prefill_state_of_either_feed(model, engine):
+    """The fixed-point objective's fed pass equals ``full`` prefill for both feeds: the
+    token-by-token states are taken on the side of the final norm the gate names."""
+    ids = random_ids(2, 8, seed=11)
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    for feed in FEEDS:
+        gate = make_gate(model, feed)
+        with torch.no_grad():
+            _, _, logits = fixed_point_loss(model.hf_model, gate, ids, valid,
+                                            return_logits=True)
+        full = prefill(engine, ids, gate, "full", return_logits=True)
+        assert torch.allclose(logits[1], full.logits, atol=ATOL), feed
 
 
 # ------------------------------------------------------------------------ stability

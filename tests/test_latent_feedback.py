@@ -21,7 +21,14 @@ from probekit.mechanisms.regimes import Regime, parse_regimes, plan
 from probekit.training.checkpoint import load_checkpoint, save_checkpoint
 from probekit.training.config import OrganismConfig, TrainConfig
 from probekit.training.data import TrainData, pad_batch
-from probekit.training.objective import answer_weights, evaluate, multipass_loss, token_loss
+from probekit.training.objective import (
+    answer_weights,
+    evaluate,
+    fixed_point_loss,
+    full_recurrence_states,
+    multipass_loss,
+    token_loss,
+)
 from probekit.training.organism import new_organism
 from probekit.training.train import train
 
@@ -304,6 +311,45 @@ def test_multipass_objective_is_eq_12_with_undetached_gradients(tiny_model, gate
     assert (g_full - g_det).abs().max() > 1e-6  # ... different gradient
 
 
+def test_fixed_point_pass_reads_the_full_prefill_state(tiny_model, tiny_engine, gate):
+    """The fixed-point objective's fed pass is the engine's ``full`` regime, its first the
+    plain model, and its total Eq. 12 with K = 2."""
+    ids = random_ids(2, 9, seed=11)
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    total, losses, logits = fixed_point_loss(tiny_model.hf_model, gate, ids, valid, lam=0.5,
+                                             return_logits=True)
+    full = prefill(tiny_engine, ids, gate, "full", return_logits=True)
+    none = prefill(tiny_engine, ids, gate, "none", return_logits=True)
+    assert torch.allclose(logits[1], full.logits, atol=ATOL)
+    assert torch.allclose(logits[0], none.logits, atol=ATOL)
+    assert abs(losses[1].item() + full.log_probs.mean().item()) < 1e-4
+    assert torch.allclose(total, losses[0] + 0.5 * losses[1])
+    # Jacobi passes reach the same state only after T of them; two are not there yet
+    with torch.no_grad():
+        _, _, jac = multipass_loss(tiny_model.hf_model, gate, ids, valid, 2,
+                                   return_logits=True)
+    assert (jac[1] - full.logits).abs().max() > 1e-3
+
+
+def test_fixed_point_gradient_is_one_step(tiny_model, gate):
+    """No gradient flows through the full-recurrence state (Jacobian-free): the loss's
+    gradient equals that of one pass fed the state as a constant."""
+    hf = tiny_model.hf_model
+    ids = random_ids(2, 8, seed=12)
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    _, losses, _ = fixed_point_loss(hf, gate, ids, valid)
+    g = torch.autograd.grad(losses[1], gate.W_U.weight)[0]
+    e = hf.get_input_embeddings()(ids)
+    h = full_recurrence_states(hf, gate, e)
+    assert not h.requires_grad
+    prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)
+    x = torch.cat([e[:, :1], gate(prev, e)[:, 1:]], 1)
+    by_hand = token_loss(hf.lm_head(hf.model(inputs_embeds=x).last_hidden_state), ids, valid)
+    assert torch.allclose(by_hand, losses[1], atol=1e-5)
+    assert torch.allclose(torch.autograd.grad(by_hand, gate.W_U.weight)[0], g, atol=1e-6)
+    assert g.abs().max() > 0
+
+
 def test_answer_weights_weight_each_rows_last_target():
     valid = torch.tensor([[True, True, True], [True, False, False]])
     w = answer_weights(valid, 5.0)
@@ -334,15 +380,19 @@ def test_training_the_gate_lowers_the_fused_loss(tiny_model, tmp_path):
     assert all(not p.requires_grad for p in model.hf_model.parameters())
 
 
-def test_training_an_organism_lowers_its_loss(tmp_path):
-    oc = OrganismConfig(n_blocks=2, d_model=32, n_heads=2, d_mlp=64)
-    model = new_organism(oc, seed=0)
+def _tiny_organism_and_data():
+    """A 2-block organism, its gate and rows whose last word is a carried bit."""
+    model = new_organism(OrganismConfig(n_blocks=2, d_model=32, n_heads=2, d_mlp=64), seed=0)
     tok = model.tokenizer
     texts = [f"state = {b}\nscratch = {s}\n# final state: {['zero', 'one'][b]}"
              for b in (0, 1) for s in range(10)]
     rows = tok(texts, add_special_tokens=False)["input_ids"]
     data = TrainData(rows, [pad_batch(rows, tok.pad_token_id)], tok.pad_token_id)
-    gate = FeedbackGate.for_model(model)
+    return model, FeedbackGate.for_model(model), data
+
+
+def test_training_an_organism_lowers_its_loss(tmp_path):
+    model, gate, data = _tiny_organism_and_data()
     config = TrainConfig(mode="organism", steps=40, batch_size=8, lr=1e-2, warmup=5,
                          eval_every=40, save_every=40, answer_weight=1.0, feedback_start=0)
     before = evaluate(model.hf_model, gate, data.val, 3)["loss"]
@@ -352,6 +402,28 @@ def test_training_an_organism_lowers_its_loss(tmp_path):
     loaded = load_checkpoint(tmp_path / "ck")
     assert loaded.model.d_model == 32 and loaded.step == 40
     assert loaded.model.content_hash == model.content_hash
+
+
+def test_fixed_point_share_trains_full_batches_only_after_feedback_start(tmp_path):
+    """--fixed-point 1: every batch from --feedback-start on is a fixed-point batch (its
+    history says passes "full"), and the organism still learns."""
+    model, gate, data = _tiny_organism_and_data()
+    config = TrainConfig(mode="organism", steps=30, batch_size=8, lr=1e-2, warmup=5,
+                         eval_every=30, save_every=30, answer_weight=1.0, feedback_start=10,
+                         fixed_point=1.0)
+    before = evaluate(model.hf_model, gate, data.val, 3)["loss"]
+    history = train(model, gate, data, config, tmp_path / "ck", progress=False)
+    passes = [h["passes"] for h in history if "passes" in h]
+    assert passes == [1] * 10 + ["full"] * 20
+    after = history[-1]["val_pass_losses"]
+    assert all(a < b - 0.5 for a, b in zip(after, before, strict=True)), (before, after)
+    # the loss curves keep the fed pass apart from Jacobi pass 2
+    from probekit.plots.training import plot_history
+
+    lines = {ln.get_label(): ln for ln in plot_history(history).axes[0].get_lines()}
+    assert set(lines) == {"pass 1", "fixed point"}
+    assert list(lines["pass 1"].get_xdata()) == list(range(1, 31))
+    assert list(lines["fixed point"].get_xdata()) == list(range(11, 31))
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -406,6 +478,8 @@ def test_train_config_validation():
         TrainConfig(schedule=(0.5, 0.4))
     with pytest.raises(ValueError, match="mode must be one of"):
         TrainConfig(mode="lora")
+    with pytest.raises(ValueError, match=r"^--fixed-point must lie in \[0, 1\]; got 1.5$"):
+        TrainConfig(fixed_point=1.5)
     with pytest.raises(ValueError, match=r"mixin must lie in \[0, 1\]"):
         TrainConfig(mixin=2.0)
     assert TrainConfig(schedule=[0.5, 0.5]).max_passes == 2

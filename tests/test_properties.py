@@ -330,7 +330,8 @@ def train_config(draw):
         lr=draw(maybe() | st.floats(1e-8, 10)), weight_decay=draw(st.floats(0, 1)),
         warmup=draw(maybe() | st.integers(0, 1000)), lam=draw(st.floats(0, 10)),
         schedule=draw(schedules()), feedback_start=draw(maybe() | st.integers(0, 1000)),
-        mixin=draw(unit), jitter=draw(st.floats(0, 1)), grad_clip=draw(st.floats(0, 10)),
+        mixin=draw(unit), fixed_point=draw(unit), jitter=draw(st.floats(0, 1)),
+        grad_clip=draw(st.floats(0, 10)),
         answer_weight=draw(maybe() | st.floats(1e-3, 100)),
         eval_every=draw(maybe() | st.integers(0, 1000)),
         save_every=draw(maybe() | st.integers(1, 1000)), seed=draw(st.integers(0, 2**31)))
@@ -353,6 +354,7 @@ BAD_TRAIN = [
     ("answer_weight", one("answer_weight", below(0, integer=False) | st.just(0.0)),
      "--answer-weight"),
     ("mixin", one("mixin", outside_unit()), "--mixin"),
+    ("fixed_point", one("fixed_point", outside_unit()), "--fixed-point"),
     ("schedule-empty", fixed(schedule=()), "--schedule"),
     ("schedule", one("schedule", st.sampled_from([(0.5, 0.4), (1.2, -0.2), (NAN,),
                                                   (0.5, NAN, 0.5)])), "--schedule"),

@@ -70,6 +70,9 @@ def test_organism_checkpoint_flags_override_the_default_recipe_only_when_given()
     assert varied == Recipe.default(2, weight_decay=0.1, lr=1e-3, feedback_start=1200)
     assert (varied.train.weight_decay, varied.train.lr, varied.train.feedback_start) == (
         0.1, 1e-3, 1200)
+    fixed = recipe_of(Args(seed=3, fixed_point=0.1))
+    assert fixed.train.fixed_point == 0.1 and fixed.key() != Recipe.default(3).key()
+    assert recipe_of(Args(fixed_point=0.0)).key() == "fbbf51d681"  # 0 is the default recipe
 
 
 def test_rename_registers_renames_every_register_and_the_query_alike():
@@ -224,6 +227,8 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
      "organism_checkpoint: error: --weight-decay must be >= 0; got -1.0"),
     ("organism_checkpoint.py", ("--feedback-start", "-5"),
      "organism_checkpoint: error: --feedback-start must be an integer >= 0; got -5"),
+    ("organism_checkpoint.py", ("--fixed-point", "2"),
+     "organism_checkpoint: error: --fixed-point must lie in [0, 1]; got 2.0"),
     ("fig7b.py", ("runs/none", "--n-blocks", "0"),
      "fig7b: error: --n-blocks (organism shape) must be a positive integer; got 0"),
 ])

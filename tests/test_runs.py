@@ -13,7 +13,7 @@ import warnings
 import numpy as np
 import pytest
 
-from probekit.runs import RunDir, file_hash, identity, not_identity
+from probekit.runs import RunDir, added_later, file_hash, identity, not_identity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +29,21 @@ class Cfg:
     run_dir: str | None = not_identity(None)
 
 
+@dataclasses.dataclass(frozen=True)
+class Later:
+    b: float = 0.5
+    c: float = added_later(0.0)
+
+
 def test_identity_keeps_result_fields_and_drops_marked_ones():
     assert identity(Cfg(Inner(2, threads=4), 0.1, run_dir="x")) == {"inner": {"a": 2}, "b": 0.1}
     assert identity(Cfg(Inner(threads=1))) == identity(Cfg(Inner(threads=8), run_dir="y"))
+
+
+def test_a_field_added_later_enters_the_identity_only_when_set():
+    # results keyed before the field existed keep their keys; a set value changes them
+    assert identity(Later()) == {"b": 0.5} == identity(Later(c=0.0))
+    assert identity(Later(c=0.1)) == {"b": 0.5, "c": 0.1}
 
 
 def test_folder_name_follows_config_model_and_input_contents(tmp_path):

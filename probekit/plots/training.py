@@ -4,23 +4,23 @@ from __future__ import annotations
 
 
 def plot_history(history: list[dict], title: str = ""):
-    """Training loss per pass (EMA over the batches that ran that pass) and validation
-    loss per Jacobi pass, against the step; ``history`` as :func:`probekit.training.train.
-    train` returns it."""
+    """Training loss per pass (EMA over the batches that ran that pass; fixed-point
+    batches' fed pass is its own curve) and validation loss per Jacobi pass, against the
+    step; ``history`` as :func:`probekit.training.train.train` returns it."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    train_steps = [h for h in history if "pass_losses" in h]
-    n = max((len(h["pass_losses"]) for h in train_steps), default=1)
-    for k in range(n):
-        xs, ys, ema = [], [], None
-        for h in train_steps:
-            if len(h["pass_losses"]) > k:
-                v = h["pass_losses"][k]
-                ema = v if ema is None else 0.95 * ema + 0.05 * v
-                xs.append(h["step"])
-                ys.append(ema)
-        axes[0].plot(xs, ys, label=f"pass {k + 1}")
+    curves: dict[str, tuple[list[int], list[float]]] = {}
+    for h in (h for h in history if "pass_losses" in h):
+        # a fixed-point batch (--fixed-point) has the plain pass and the fed one
+        labels = (["pass 1", "fixed point"] if h.get("passes") == "full" else
+                  [f"pass {k + 1}" for k in range(len(h["pass_losses"]))])
+        for label, v in zip(labels, h["pass_losses"], strict=True):
+            xs, ys = curves.setdefault(label, ([], []))
+            xs.append(h["step"])
+            ys.append(v if not ys else 0.95 * ys[-1] + 0.05 * v)  # EMA
+    for label in sorted(curves, key=lambda k: (k == "fixed point", k)):
+        axes[0].plot(*curves[label], label=label)
     axes[0].set(xlabel="step", ylabel="train loss (EMA)", yscale="log",
                 title="training loss by pass (answer-weighted)")
     axes[0].legend()

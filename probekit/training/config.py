@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from probekit.runs import not_identity
+from probekit.runs import added_later, not_identity
 from probekit.validation import check_fields
 
 MODES = ("gate", "organism")
@@ -60,6 +60,9 @@ class TrainConfig:
     """sigma of the uniform noise on the carried state (Eq. 13)"""
     feed: Literal["normed", "residual"] = "normed"
     """top state fed back: normed (after the final norm) or residual (before it)"""
+    fixed_point: float = added_later(0.0)
+    """probability that a batch after --feedback-start feeds back the exact full-recurrence
+    state (token by token, no gradient) through one pass instead of Jacobi passes"""
     grad_clip: float = 1.0
     """gradient-norm clip (0: none)"""
     answer_weight: float | None = None
@@ -120,8 +123,9 @@ def _validate(c: TrainConfig) -> None:
             raise ValueError(f"--{_flag(name)} must be >= 0; got {getattr(c, name)}")
     if not c.answer_weight > 0:
         raise ValueError(f"--answer-weight must be > 0; got {c.answer_weight}")
-    if not 0 <= c.mixin <= 1:
-        raise ValueError(f"--mixin must lie in [0, 1]; got {c.mixin}")
+    for name in ("mixin", "fixed_point"):
+        if not 0 <= getattr(c, name) <= 1:
+            raise ValueError(f"--{_flag(name)} must lie in [0, 1]; got {getattr(c, name)}")
 
 
 def _flag(name: str) -> str:

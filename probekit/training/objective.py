@@ -20,6 +20,10 @@ is one parallel forward of the Hugging Face model with ``inputs_embeds``: the
 differentiable twin of the engine's ``passes=n`` regime (``tests/test_latent_feedback.py``
 and ``tests/test_feedback_feed.py`` pin that both give the same logits).
 
+With ``--fixed-point P`` a share ``P`` of the batches runs :func:`fixed_point_loss`
+instead: pass 2 is fed the exact state of full recurrent prefill, computed token by
+token without gradients.
+
 Choices where the paper is silent: prefix mixin applies to a row with probability
 ``mixin`` with ``p`` uniform over the row's positions, drawn anew for every pass; the
 jitter ``sigma`` is absolute, in units of the fed-back state (so with ``feed="residual"``
@@ -33,6 +37,7 @@ import contextlib
 import numpy as np
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import Tensor
 
 from probekit.mechanisms.latent_feedback import FeedbackGate, final_norm_inputs
@@ -54,6 +59,26 @@ def answer_weights(valid: Tensor, weight: float) -> Tensor:
         last = valid.sum(1) - 1
         w[torch.arange(len(w)), last] = weight
     return w
+
+
+def fused_input(gate: FeedbackGate, h: Tensor, e: Tensor, *, mixin: float = 0.0,
+                jitter: float = 0.0, generator: torch.Generator | None = None) -> Tensor:
+    """The input of the next pass from the fed-back states ``h`` ``[B, T, D]`` of this
+    one: jitter on ``h``, shift right, the gate, then a plain prefix per row (prefix
+    mixin); position 0 stays ``e_0``."""
+    B, T, _ = e.shape
+    if jitter > 0:
+        noise = torch.rand(h.shape, generator=generator, dtype=h.dtype) * 2 - 1
+        h = h + jitter * noise
+    prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)  # shift right
+    fused = gate(prev, e)
+    prefix = torch.zeros(B, dtype=torch.long)  # positions t <= prefix stay plain
+    if mixin > 0:
+        use = torch.rand(B, generator=generator) < mixin
+        p = torch.randint(0, T, (B,), generator=generator)
+        prefix = torch.where(use, p, prefix)
+    on = torch.arange(T)[None, :] > prefix[:, None]
+    return torch.where(on[..., None], fused, e)
 
 
 def multipass_loss(
@@ -83,8 +108,6 @@ def multipass_loss(
     """
     inner = hf_model.model
     e = inner.embed_tokens(ids)
-    B, T, _ = e.shape
-    positions = torch.arange(T)
     x = e
     losses: list[Tensor] = []
     all_logits: list[Tensor] = []
@@ -101,22 +124,57 @@ def multipass_loss(
             if k == n_passes - 1:
                 break
             h = tops.pop() if residual else normed  # the fed-back state (gate.feed)
-            if jitter > 0:
-                noise = torch.rand(h.shape, generator=generator, dtype=h.dtype) * 2 - 1
-                h = h + jitter * noise
-            prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)  # shift right
-            fused = gate(prev, e)
-            prefix = torch.zeros(B, dtype=torch.long)  # positions t <= prefix stay plain
-            if mixin > 0:
-                use = torch.rand(B, generator=generator) < mixin
-                p = torch.randint(0, T, (B,), generator=generator)
-                prefix = torch.where(use, p, prefix)
-            on = positions[None, :] > prefix[:, None]
-            x = torch.where(on[..., None], fused, e)
+            x = fused_input(gate, h, e, mixin=mixin, jitter=jitter, generator=generator)
     total = losses[0]
     if n_passes > 1:
         total = total + lam / (n_passes - 1) * sum(losses[1:])
     return total, losses, all_logits
+
+
+@torch.no_grad()
+def full_recurrence_states(hf_model, gate: FeedbackGate, e: Tensor) -> Tensor:
+    """The fed-back states ``[B, T, D]`` of full recurrent prefill on input embeddings
+    ``e``, token by token with a KV cache and no gradient: input ``e_0`` at position 0 and
+    ``gate(h_{t-1}, e_t)`` after, ``h_t`` the top state on the side ``gate.feed`` names.
+    The fixed point that Jacobi passes approach (exact after ``T`` passes)."""
+    inner = hf_model.model
+    cache = transformers.DynamicCache()
+    residual = gate.feed == "residual"
+    states: list[Tensor] = []
+    with final_norm_inputs(hf_model) if residual else contextlib.nullcontext() as tops:
+        for t in range(e.shape[1]):
+            x = e[:, :1] if t == 0 else gate(states[-1], e[:, t:t + 1])
+            normed = inner(inputs_embeds=x, past_key_values=cache, use_cache=True)
+            states.append(tops.pop() if residual else normed.last_hidden_state)
+    return torch.cat(states, 1)
+
+
+def fixed_point_loss(
+    hf_model,
+    gate: FeedbackGate,
+    ids: Tensor,
+    valid: Tensor,
+    *,
+    lam: float = 1.0,
+    mixin: float = 0.0,
+    jitter: float = 0.0,
+    generator: torch.Generator | None = None,
+    return_logits: bool = False,
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """Eq. 12 with ``K = 2`` where pass 2 is fed the exact state of full recurrent prefill
+    (:func:`full_recurrence_states`, no gradient) instead of pass 1's: the one-step,
+    Jacobian-free gradient of implicit models (Fung et al. 2022, "JFB"; Geng et al. 2021),
+    which trains the readout on the states that ``--recurrence full`` produces at every
+    depth of the feedback chain, not only the first ``K - 1`` that Jacobi passes reach.
+    Same arguments and returns as :func:`multipass_loss` (the organism mode's twin)."""
+    inner = hf_model.model
+    e = inner.embed_tokens(ids)
+    plain = hf_model.lm_head(inner(inputs_embeds=e, use_cache=False).last_hidden_state)
+    h = full_recurrence_states(hf_model, gate, e.detach())
+    x = fused_input(gate, h, e, mixin=mixin, jitter=jitter, generator=generator)
+    fed = hf_model.lm_head(inner(inputs_embeds=x, use_cache=False).last_hidden_state)
+    losses = [token_loss(plain, ids, valid), token_loss(fed, ids, valid)]
+    return losses[0] + lam * losses[1], losses, [plain, fed] if return_logits else []
 
 
 @torch.no_grad()

@@ -27,7 +27,7 @@ from probekit.mechanisms.latent_feedback import FeedbackGate
 from probekit.training.checkpoint import restore_training, save_checkpoint
 from probekit.training.config import TrainConfig
 from probekit.training.data import TrainData
-from probekit.training.objective import answer_weights, evaluate, multipass_loss
+from probekit.training.objective import answer_weights, evaluate, fixed_point_loss, multipass_loss
 
 
 def final_validation(history: list[dict]) -> list[float] | None:
@@ -131,14 +131,20 @@ def train(
         g = step_generator(config.seed, step)
         ids, valid = data.batch(config.batch_size, g)
         K = draw_passes(config.schedule, g) if step >= config.feedback_start else 1
+        # drawn only when asked for, so that other recipes keep their random stream
+        fixed = (config.fixed_point > 0 and step >= config.feedback_start
+                 and float(torch.rand((), generator=g)) < config.fixed_point)
         lr = lr_at(step, config)
         for group in opt.param_groups:
             group["lr"] = lr
         weights = answer_weights(valid, config.answer_weight)
-        total, losses, _ = multipass_loss(
-            hf, gate, ids, weights, K, lam=config.lam, mixin=config.mixin,
-            jitter=config.jitter, generator=g, first_pass_grad=config.mode == "organism",
-        )
+        kw = dict(lam=config.lam, mixin=config.mixin, jitter=config.jitter, generator=g)
+        if fixed:
+            K = "full"
+            total, losses, _ = fixed_point_loss(hf, gate, ids, weights, **kw)
+        else:
+            total, losses, _ = multipass_loss(
+                hf, gate, ids, weights, K, first_pass_grad=config.mode == "organism", **kw)
         if total.requires_grad:  # gate mode, K = 1: nothing trainable in the loss
             opt.zero_grad(set_to_none=True)
             total.backward()
