@@ -426,6 +426,37 @@ def test_fixed_point_share_trains_full_batches_only_after_feedback_start(tmp_pat
     assert list(lines["fixed point"].get_xdata()) == list(range(11, 31))
 
 
+def test_fixed_point_zero_keeps_the_random_stream(tmp_path, monkeypatch):
+    """--fixed-point 0 draws nothing extra: each step's Jacobi loss sees the generator
+    exactly as the batch and the pass count left it, as before the option existed (so
+    every recipe trained before keeps its weights)."""
+    import probekit.training.train as train_module
+    from probekit.training.train import draw_passes, step_generator
+
+    model, gate, data = _tiny_organism_and_data()
+    config = TrainConfig(mode="organism", steps=6, batch_size=4, lr=1e-2, warmup=2,
+                         eval_every=0, save_every=6, answer_weight=1.0, feedback_start=2,
+                         schedule=(0.3, 0.4, 0.3))
+    seen = []
+    real = train_module.multipass_loss
+
+    def spy(*args, generator, **kw):
+        seen.append(generator.get_state().clone())
+        return real(*args, generator=generator, **kw)
+
+    monkeypatch.setattr(train_module, "multipass_loss", spy)
+    train(model, gate, data, config, tmp_path / "ck", progress=False)
+    expected = []
+    for step in range(6):
+        g = step_generator(config.seed, step)
+        data.batch(config.batch_size, g)
+        if step >= config.feedback_start:
+            draw_passes(config.schedule, g)
+        expected.append(g.get_state())
+    assert len(seen) == 6
+    assert all(torch.equal(a, b) for a, b in zip(seen, expected, strict=True))
+
+
 # ------------------------------------------------------------------ checkpoints
 def test_checkpoint_round_trip_and_exact_resume(tmp_path):
     data = _byte_data()

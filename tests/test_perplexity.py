@@ -33,6 +33,21 @@ def test_bootstrap_ci_is_seeded_and_brackets_the_estimate():
     assert np.isnan(one["ci_low"]) and np.isnan(one["ci_high"])  # no interval for n=1
 
 
+def test_summary_refuses_log_probs_of_other_shapes():
+    """Base and recirculated log-probs must be the same ``[W, T-1]`` windows: zipping
+    windows of different counts or lengths would compare unrelated tokens."""
+    base = np.zeros((3, 4))
+    with pytest.raises(ValueError, match=r"base and recirculated log-probs must have the "
+                                         r"same \[windows, tokens\] shape; got \(3, 4\) "
+                                         r"and \(2, 4\)"):
+        PerplexitySummary.from_log_probs(base, np.zeros((2, 4)))
+    with pytest.raises(ValueError, match=r"same \[windows, tokens\] shape; got \(3, 4\) "
+                                         r"and \(3, 5\)"):
+        PerplexitySummary.from_log_probs(base, np.zeros((3, 5)))
+    with pytest.raises(ValueError, match=r"got \(12,\) and \(12,\)"):
+        PerplexitySummary.from_log_probs(np.zeros(12), np.zeros(12))
+
+
 ARGS = ["perplexity", "--model", "tiny-5", "--source", "3", "--destination", "1",
         "--alpha", "0.3", "--windows", "4", "--window-tokens", "24", "--batch-size", "2",
         "--bootstrap", "200", "--no-progress"]

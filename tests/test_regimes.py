@@ -104,6 +104,10 @@ def test_plan_takes_regime_values_and_real_lengths():
         plan(Regime("full"), [3, 0])
     with pytest.raises(ValueError, match=r"lengths must be a non-empty list of lengths >= 1"):
         plan(Regime("full"), [])
+    # a fractional length is a caller's bug, not a length to truncate
+    with pytest.raises(ValueError, match=r"lengths must be whole numbers; got \[3.0, 2.5\]"):
+        plan(Regime("full"), [3.0, 2.5])
+    assert plan(Regime.parse("last-1"), np.array([3.0, 2.0])).block_size == [1, 1, 1]
 
 
 # ---------------------------------------------------------------------- exact chunks

@@ -84,13 +84,17 @@ class PerplexitySummary:
                        seed: int = 0) -> PerplexitySummary:
         """From ``[W, T-1]`` log-probs of equal-length windows; the interval resamples
         windows (:func:`probekit.analysis.stats.window_bootstrap`)."""
+        base, rec = np.asarray(base), np.asarray(rec)
+        if base.ndim != 2 or base.shape != rec.shape:
+            raise ValueError(f"base and recirculated log-probs must have the same [windows, "
+                             f"tokens] shape; got {base.shape} and {rec.shape}")
         count = np.full(len(base), base.shape[1], float)
         ci = window_bootstrap(base.sum(1), rec.sum(1), count, n_boot=n_boot, seed=seed)
         lo, hi = float(ci["ci_low"]), float(ci["ci_high"])
         per_window = [
             {"window": i, "ppl_base": perplexity(b), "ppl_rec": perplexity(r),
              "pct_change": pct_change(b, r)}
-            for i, (b, r) in enumerate(zip(base, rec, strict=False))
+            for i, (b, r) in enumerate(zip(base, rec, strict=True))
         ]
         return cls(len(base), int(base.size), perplexity(base), perplexity(rec),
                    pct_change(base, rec), lo, hi, per_window)

@@ -132,7 +132,10 @@ def plan(regime: Regime, lengths) -> Plan:
     """The engine call for ``regime`` on a right-padded batch with real ``lengths``."""
     if not isinstance(regime, Regime):
         raise TypeError(f"regime must be a Regime (Regime.parse('full')); got {regime!r}")
-    lengths = torch.as_tensor(lengths, dtype=torch.long)
+    given = torch.as_tensor(np.asarray(lengths))
+    if given.is_floating_point() and not bool((given == given.round()).all()):
+        raise ValueError(f"lengths must be whole numbers; got {given.tolist()}")
+    lengths = given.long()
     if lengths.ndim != 1 or len(lengths) == 0 or int(lengths.min()) < 1:
         raise ValueError(f"lengths must be a non-empty list of lengths >= 1; got {lengths}")
     seq = int(lengths.max())
