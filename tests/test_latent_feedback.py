@@ -5,6 +5,7 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import numpy as np
 import pytest
 import torch
 
@@ -650,6 +651,41 @@ def test_organism_tokenizer_fits_every_task():
     assert all(tok.unk_token_id not in r for r in tok(rows)["input_ids"])
 
 
+def test_copy_rows_repeat_numerals_and_leave_the_task_rows_alone():
+    """A copy row is 4-8 numerals of the completion range, a newline, the same again; the
+    copy share adds such rows to an unchanged set of task rows, reproducibly."""
+    from probekit.training.organism import copy_rows, fit_tokenizer, training_examples
+    from synthetic.completion import NUMERALS
+
+    tok = fit_tokenizer()
+    rows = copy_rows(tok, 50, seed=3)
+    assert rows == copy_rows(tok, 50, seed=3) and rows != copy_rows(tok, 50, seed=4)
+    newline = tok.convert_tokens_to_ids("\n")
+    for row in rows:
+        k = row.index(newline)
+        assert 4 <= k <= 8 and row == row[:k] + [newline] + row[:k]
+        assert all(int(t) in NUMERALS for t in tok.convert_ids_to_tokens(row[:k]))
+    assert {r.index(newline) for r in rows} == set(range(4, 9))
+    plain = training_examples(tok, n_examples=40, seed=2)
+    mixed = training_examples(tok, n_examples=40, seed=2, copy_share=0.25)
+    assert len(mixed) == 50 and mixed != plain[:40] + copy_rows(tok, 10, 2)  # shuffled in
+    assert sorted(mixed) == sorted(plain + copy_rows(tok, 10, seed=2))
+
+
+def test_numeral_cosines_measure_how_far_apart_the_numerals_sit():
+    from probekit.training.organism import new_organism, numeral_cosines
+
+    model = new_organism(OrganismConfig(n_blocks=1, d_model=64, n_heads=2, d_mlp=64), seed=0)
+    cos = numeral_cosines(model)
+    assert cos.shape == (90, 90) and np.allclose(np.diag(cos), 1, atol=1e-5)
+    off = cos[~np.eye(90, dtype=bool)]
+    assert abs(off.mean()) < 0.05  # random initialisation: nearly orthogonal
+    tok, emb = model.tokenizer, model.hf_model.get_input_embeddings().weight
+    with torch.no_grad():
+        emb[tok.convert_tokens_to_ids("42")] = 3 * emb[tok.convert_tokens_to_ids("17")]
+    assert numeral_cosines(model)[42 - 10, 17 - 10] == pytest.approx(1, abs=1e-5)
+
+
 def test_label_accuracy_equals_a_row_by_row_reference(organism_checkpoint):
     """Batched (length-sorted, padded) accuracy = each row alone, its label word compared
     by logit at its last token; under a feedback regime too."""
@@ -695,6 +731,10 @@ def test_train_feedback_cli_writes_and_resumes(tmp_path, capsys):
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
     assert main(args + ["--steps", "3", "--schedule", "0.5", "0.6"]) == 2
     assert "schedule must be probabilities" in capsys.readouterr().err
+    assert main(args + ["--steps", "3", "--copy-rows", "0.25"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "probekit train-feedback: error: --copy-rows adds rows to the organism's task data; "
+        "the gate trains on Wikipedia windows: drop it or use --mode organism")
 
 
 def test_mode_dependent_help_names_the_real_defaults():

@@ -13,7 +13,13 @@ import torch
 from probekit.core import model_cache
 from probekit.training import organism_cache
 from probekit.training.config import DataConfig, OrganismConfig, TrainConfig
-from probekit.training.organism_cache import Recipe, organism_folder, sealed, trained_organism
+from probekit.training.organism_cache import (
+    Recipe,
+    data_constants,
+    organism_folder,
+    sealed,
+    trained_organism,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:transformers")
 
@@ -151,6 +157,20 @@ def test_register_row_constants_key_only_the_recipes_that_train_on_registers(mon
     # the default recipe's key is the one its organisms have been cached under so far
     monkeypatch.undo()
     assert plain.key() == "fbbf51d681"
+
+
+def test_copy_rows_key_only_the_recipes_that_use_them(monkeypatch):
+    """--copy-rows enters a recipe's key (and its copy constants the data constants) only
+    when set, so every earlier organism keeps its key."""
+    from probekit.training import organism
+
+    plain, copying = Recipe.default(0), Recipe.default(0, copy_rows=0.25)
+    assert plain.key() == "fbbf51d681" and copying.key() != plain.key()
+    assert "copy_lengths" not in data_constants(plain.data)
+    assert data_constants(copying.data)["copy_lengths"] == (4, 8)
+    before = copying.key()
+    monkeypatch.setattr(organism, "COPY_LENGTHS", (2, 3))
+    assert copying.key() != before and plain.key() == "fbbf51d681"
 
 
 def test_the_default_recipe_takes_a_shape_that_keys_its_organisms():

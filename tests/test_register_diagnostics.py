@@ -73,6 +73,10 @@ def test_organism_checkpoint_flags_override_the_default_recipe_only_when_given()
     fixed = recipe_of(Args(seed=3, fixed_point=0.1))
     assert fixed.train.fixed_point == 0.1 and fixed.key() != Recipe.default(3).key()
     assert recipe_of(Args(fixed_point=0.0)).key() == "fbbf51d681"  # 0 is the default recipe
+    copying = recipe_of(Args(seed=2, copy_rows=0.25))
+    assert copying == Recipe.default(2, copy_rows=0.25) and copying.data.copy_rows == 0.25
+    assert copying.key() != Recipe.default(2).key()
+    assert recipe_of(Args(copy_rows=0.0)).key() == "fbbf51d681"
 
 
 def test_rename_registers_renames_every_register_and_the_query_alike():
@@ -229,6 +233,11 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
      "organism_checkpoint: error: --feedback-start must be an integer >= 0; got -5"),
     ("organism_checkpoint.py", ("--fixed-point", "2"),
      "organism_checkpoint: error: --fixed-point must lie in [0, 1]; got 2.0"),
+    ("organism_checkpoint.py", ("--copy-rows", "-0.5"),
+     "organism_checkpoint: error: --copy-rows must lie in [0, 1]; got -0.5"),
+    ("numeral_collapse.py", ("no/such/organism",),
+     "numeral_collapse: error: no/such/organism is not an organism checkpoint (no "
+     "config.json); give a folder that organism_checkpoint.py printed"),
     ("fig7b.py", ("runs/none", "--n-blocks", "0"),
      "fig7b: error: --n-blocks (organism shape) must be a positive integer; got 0"),
 ])

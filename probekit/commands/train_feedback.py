@@ -27,6 +27,9 @@ class Config:
     def __post_init__(self) -> None:
         check_fields(self)
         train = self.train.resolved()
+        if train.mode == "gate" and self.data.copy_rows:
+            raise UsageError("--copy-rows adds rows to the organism's task data; the gate "
+                             "trains on Wikipedia windows: drop it or use --mode organism")
         if train.mode == "organism" and self.data.n_examples < train.batch_size:
             raise UsageError(f"--n-examples must be >= --batch-size ({train.batch_size}); "
                              f"got {self.data.n_examples}")

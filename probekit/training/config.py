@@ -168,9 +168,14 @@ class DataConfig:
     """organism training tasks"""
     n_examples: int = 24000
     """organism training examples"""
+    copy_rows: float = added_later(0.0)
+    """numeral copy rows (some numerals, then the same again) added to the organism's rows,
+    as a share of --n-examples: they keep the numerals' embeddings apart"""
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if not 0.0 <= self.copy_rows <= 1.0:
+            raise ValueError(f"--copy-rows must lie in [0, 1]; got {self.copy_rows}")
         if self.n_windows < 1:
             raise ValueError(f"--n-windows must be >= 1; got {self.n_windows}")
         if not self.tasks:

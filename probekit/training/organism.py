@@ -41,7 +41,7 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 from probekit.training.config import OrganismConfig
 from synthetic import make_task, registers
-from synthetic.completion import completion_dataset
+from synthetic.completion import NUMERALS, completion_dataset
 from synthetic.dataset import FILLER_WORD, Dataset
 from synthetic.memory import memory_dataset
 
@@ -216,8 +216,10 @@ def training_examples(
     n_examples: int = 24000,
     distractors: Mapping[int, int] | Sequence[int] = TRAIN_DISTRACTORS,
     seed: int = 1,
+    copy_share: float = 0.0,
 ) -> list[list[int]]:
-    """Token ids of ``n_examples`` training sequences (task input + ``" " + label``).
+    """Token ids of ``n_examples`` training sequences (task input + ``" " + label``), and
+    ``n_examples * copy_share`` numeral copy rows (:func:`copy_rows`) shuffled in.
 
     Each task gets its share of :data:`TASK_SHARES`, and within a task each distractor
     count a share
@@ -255,7 +257,47 @@ def training_examples(
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(texts))[:n_examples]
     ids = tokenizer([texts[i] for i in order], add_special_tokens=False)["input_ids"]
-    return [list(x) for x in ids]
+    rows = [list(x) for x in ids]
+    if copy_share:  # the task rows stay as they are; the copies are shuffled in
+        rows += copy_rows(tokenizer, int(n_examples * copy_share), seed)
+        order = np.random.default_rng(seed + 5).permutation(len(rows))
+        rows = [rows[i] for i in order]
+    return rows
+
+
+#: How many numerals a copy row repeats (:func:`copy_rows`), least and most.
+COPY_LENGTHS = (4, 8)
+
+
+def copy_rows(tokenizer, n: int, seed: int) -> list[list[int]]:
+    """Token ids of ``n`` numeral copy rows: 4-8 random numerals of the completion task's
+    range, a newline, the same numerals again (``"41 97 13 55\n41 97 13 55"``).
+
+    Why: in the task rows every numeral is unpredictable, so next-token prediction only
+    teaches the model *that* a numeral comes; on every completion plateau we measured, the
+    numerals' (tied) embeddings had drifted together, leaving equality nothing to
+    compare. Predicting the copy needs each numeral's own output row, and so keeps them
+    apart (docs/latent-feedback.md, "The completion plateau"). The rows carry no task
+    label and no completion pair."""
+    lo, hi = min(NUMERALS), max(NUMERALS)
+    rng = np.random.default_rng(seed + 4242)
+    texts = []
+    for _ in range(n):
+        k = int(rng.integers(COPY_LENGTHS[0], COPY_LENGTHS[1] + 1))
+        numerals = " ".join(str(x) for x in rng.integers(lo, hi + 1, k))
+        texts.append(numerals + "\n" + numerals)
+    return [list(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def numeral_cosines(model) -> np.ndarray:
+    """``[90, 90]`` cosine similarities between the input embeddings of the completion
+    task's numerals (10..99): how far apart the model keeps the symbols that completion
+    must tell apart (near 0 at initialisation)."""
+    tok = model.tokenizer
+    ids = [tok.convert_tokens_to_ids(str(n)) for n in NUMERALS]
+    emb = model.hf_model.get_input_embeddings().weight.detach()[ids].float()
+    unit = torch.nn.functional.normalize(emb, dim=-1)
+    return (unit @ unit.T).numpy()
 
 
 def _rows(tokenizer, task: str, distractors: int, seed: int,

@@ -58,11 +58,13 @@ class Recipe:
 
     @classmethod
     def default(cls, seed: int = 0, tasks: tuple[str, ...] | None = None,
-                shape: OrganismConfig | None = None, **train: Any) -> Recipe:
+                shape: OrganismConfig | None = None, copy_rows: float = 0.0,
+                **train: Any) -> Recipe:
         """The default recipe with training seed ``seed``, training ``tasks`` (None: the
-        default two), organism ``shape`` (None: the default) and any other ``TrainConfig``
-        field."""
-        data = DataConfig() if tasks is None else DataConfig(tasks=tuple(tasks))
+        default two), organism ``shape`` (None: the default), a share of numeral
+        ``copy_rows`` and any other ``TrainConfig`` field."""
+        data = DataConfig(copy_rows=copy_rows, **({} if tasks is None else
+                                                   {"tasks": tuple(tasks)}))
         return cls(train=TrainConfig(mode="organism", seed=seed, **train), data=data,
                    shape=shape or OrganismConfig())
 
@@ -70,16 +72,17 @@ class Recipe:
         # the step count is no part of a run's identity (train-feedback resumes to more
         # steps), but it is of a trained organism's; so are the data constants
         return config_hash({"recipe": identity(self), "steps": self.train.steps,
-                            "data": data_constants(self.data.tasks),
+                            "data": data_constants(self.data),
                             "version": RECIPE_VERSION})
 
 
-def data_constants(tasks: tuple[str, ...]) -> dict[str, Any]:
-    """The module constants that shape the training rows of ``tasks`` (they decide the
+def data_constants(data: DataConfig) -> dict[str, Any]:
+    """The module constants that shape the training rows of ``data`` (they decide the
     weights too)."""
     from probekit.training import organism
     from synthetic import registers
 
+    tasks = data.tasks
     out = {"task_shares": organism.TASK_SHARES,
            "distractors": {str(k): v for k, v in organism.TRAIN_DISTRACTORS.items()},
            "register_writes": registers.TRAINING_WRITES,
@@ -94,6 +97,8 @@ def data_constants(tasks: tuple[str, ...]) -> dict[str, Any]:
         out["register_reads"] = (registers.TRAINING_READ_ROWS, registers.TRAINING_READ_RATE,
                                  registers.TRAINING_READ_RULE)
         out["register_pad_rows"] = registers.TRAINING_PAD_ROWS
+    if data.copy_rows:  # likewise only for recipes with copy rows
+        out["copy_lengths"] = organism.COPY_LENGTHS
     return out
 
 
@@ -118,7 +123,7 @@ def train_organism(recipe: Recipe, checkpoint: str | Path, *, progress: bool = T
         model = new_organism(recipe.shape, tc.seed)
         data = organism_data(model.tokenizer, tasks=recipe.data.tasks,
                              n_examples=recipe.data.n_examples, seed=tc.seed,
-                             max_tokens=tc.batch_tokens)
+                             max_tokens=tc.batch_tokens, copy_share=recipe.data.copy_rows)
         gate = FeedbackGate.for_model(model, feed=tc.feed)
         started = time.perf_counter()
         history = train(model, gate, data, tc, checkpoint,
@@ -180,7 +185,7 @@ def trained_organism(recipe: Recipe | None = None, *, progress: bool = True,
         accuracy = task_accuracy(loaded.model, loaded.gate, recipe.data.tasks)
         model_cache.seal(folder, {
             "recipe": identity(recipe), "steps": recipe.train.steps,
-            "recipe_version": RECIPE_VERSION, "data_constants": data_constants(recipe.data.tasks),
+            "recipe_version": RECIPE_VERSION, "data_constants": data_constants(recipe.data),
             "train_seconds": training_seconds(run["history"], run["seconds"]),
             "task_accuracy": accuracy, "data": run["data"],
             "final_val_pass_losses": final_validation(run["history"]),
