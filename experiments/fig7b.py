@@ -17,7 +17,7 @@ import numpy as np
 import tyro
 
 from probekit.analysis.across_runs import combine_runs
-from probekit.commands.common import FLAT
+from probekit.commands.common import FLAT, script_error
 from probekit.training.config import OrganismConfig
 from probekit.training.organism_cache import Recipe, sealed
 
@@ -42,8 +42,7 @@ def main() -> int:
     try:
         args = tyro.cli(Args)
     except ValueError as err:  # a shape that cannot be built
-        print(f"fig7b: error: {err}", file=sys.stderr)
-        return 2
+        return script_error("fig7b", str(err))
     combined = {}
     for sweep in SWEEPS:
         runs = {f"latent-feedback-seed{s}": json.loads(

@@ -13,12 +13,17 @@ Each argument is an organism checkpoint folder (what ``organism_checkpoint.py`` 
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import sys
 from pathlib import Path
 
 import numpy as np
 import tyro
+
+from probekit.commands.common import script_error
+from probekit.core import model_cache
+
+usage_error = functools.partial(script_error, "numeral_collapse")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,17 +34,13 @@ class Args:
     """seeds of freshly initialised organisms to show beside them"""
 
 
-def usage_error(message: str) -> int:
-    """Print a bad argument's one-line error; the exit status to return."""
-    print(f"numeral_collapse: error: {message}", file=sys.stderr)
-    return 2
-
-
 def _accuracy(checkpoint: Path) -> str:
-    record = checkpoint.parent / "probekit-cache.json"
-    if not record.is_file():
+    """The task accuracy sealed beside a cached organism's checkpoint ("-" outside the
+    cache)."""
+    record = model_cache.record(checkpoint.parent)
+    if record is None:
         return "-"
-    acc = json.loads(record.read_text())["task_accuracy"]
+    acc = record["task_accuracy"]
     return "; ".join(f"{task} " + " / ".join(f"{v:.2f}" for v in by.values())
                      for task, by in acc.items())
 

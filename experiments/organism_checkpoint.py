@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 
 import tyro
 
-from probekit.commands.common import FLAT
+from probekit.commands.common import FLAT, script_error
 from probekit.training.config import OrganismConfig
 from probekit.training.organism_cache import Recipe, sealed, trained_organism
 
@@ -67,8 +67,7 @@ def main() -> int:
     try:  # a shape that cannot be built, a value TrainConfig refuses (e.g. --lr 0)
         recipe = recipe_of(tyro.cli(Args))
     except ValueError as err:
-        print(f"organism_checkpoint: error: {err}", file=sys.stderr)
-        return 2
+        return script_error("organism_checkpoint", str(err))
     ckpt = trained_organism(recipe, log=lambda line: print(line, file=sys.stderr))
     record = sealed(recipe)
     print(f"trained in {record['train_seconds']:.0f} s; task accuracy "

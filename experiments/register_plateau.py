@@ -32,6 +32,7 @@ first ``--name-pool`` names).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import re
 import signal
@@ -44,6 +45,7 @@ import torch
 import transformers
 import tyro
 
+from probekit.commands.common import script_error
 from probekit.training.config import OrganismConfig
 from probekit.training.organism import REGISTER_NAMES  # the pool of --names random
 
@@ -105,10 +107,7 @@ def rename_registers(text: str, names: list[int]) -> str:
     return re.sub(r"\br(\d+)\b", lambda r: f"r{names[int(r.group(1))]}", text)
 
 
-def usage_error(message: str) -> int:
-    """Print a bad flag's one-line error; the exit status to return."""
-    print(f"register_plateau: error: {message}", file=sys.stderr)
-    return 2
+usage_error = functools.partial(script_error, "register_plateau")
 
 
 def main() -> int:

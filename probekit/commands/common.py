@@ -227,10 +227,17 @@ def set_threads(flags: ModelFlags) -> None:
         torch.set_num_threads(flags.threads)
 
 
+def script_error(prog: str, message: str) -> int:
+    """Print an experiment script's one-line error (``prog: error: message``) to stderr;
+    the exit status to return (2, as for a bad command flag)."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
 def say(*lines: str) -> None:
     """Print to stdout (commands print; the library never does)."""
     print(*lines, sep="\n", file=sys.stdout, flush=True)
 
 
 __all__ = ["FLAT", "Annotated", "CorpusFlags", "ModelFlags", "RecirculationFlags", "RunFlags",
-           "UsageError", "parse", "say", "set_threads"]
+           "UsageError", "parse", "say", "script_error", "set_threads"]
