@@ -79,6 +79,24 @@ def test_organism_checkpoint_flags_override_the_default_recipe_only_when_given()
     assert recipe_of(Args(copy_rows=0.0)).key() == "fbbf51d681"
 
 
+def test_numeral_collapse_tabulates_cosines_and_sealed_accuracy(organism_checkpoint):
+    """One row per organism: the mean / sd / max of its numerals' off-diagonal cosines
+    (numeral_cosines), and "-" for the accuracy of an organism outside the cache."""
+    import numpy as np
+
+    from probekit.training.checkpoint import load_checkpoint
+    from probekit.training.organism import numeral_cosines
+
+    out = run("numeral_collapse.py", str(organism_checkpoint), "--init", "0")
+    assert out.returncode == 0, out.stderr
+    rows = [r.split(" | ") for r in out.stdout.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["| initialised, seed 0", f"| {organism_checkpoint}"]
+    cos = numeral_cosines(load_checkpoint(organism_checkpoint).model)
+    off = cos[~np.eye(90, dtype=bool)]
+    assert rows[1][1:4] == [f"{off.mean():.2f}", f"{off.std():.2f}", f"{off.max():.2f}"]
+    assert rows[1][4] == "- |" and abs(float(rows[0][1])) < 0.05
+
+
 def test_rename_registers_renames_every_register_and_the_query_alike():
     sys.path.insert(0, str(EXPERIMENTS))
     try:
