@@ -7,6 +7,7 @@ organism trained with a non-default schedule, fed-back state or task mix.
     python experiments/organism_checkpoint.py --seed 2 --weight-decay 0.1
     python experiments/organism_checkpoint.py --seed 3 --fixed-point 0.1
     python experiments/organism_checkpoint.py --seed 2 --copy-rows 0.25
+    python experiments/organism_checkpoint.py --seed 4 --copy-rows 0.5 --copy-from 0
     python experiments/organism_checkpoint.py --seed 0 --feed residual
     python experiments/organism_checkpoint.py --seed 0 --tasks registers
     python experiments/organism_checkpoint.py --seed 0 --tasks registers --d-model 256 \
@@ -48,6 +49,8 @@ class Args:
     """training tasks (default: completion memory)"""
     copy_rows: float = 0.0
     """numeral copy rows added, as a share of the task rows (default 0: none)"""
+    copy_from: int = 10
+    """smallest numeral of the copy rows, which run to 99 (0: the digits too)"""
     shape: Annotated[OrganismConfig, FLAT] = OrganismConfig()
     """the organism's shape (--d-model, --n-heads, ...; default probekit's)"""
 
@@ -60,7 +63,7 @@ def recipe_of(args: Args) -> Recipe:
     """The default recipe with the flags given in ``args``."""
     extra = {k: getattr(args, k) for k in OVERRIDES if getattr(args, k) is not None}
     return Recipe.default(args.seed, tasks=args.tasks, shape=args.shape, feed=args.feed,
-                          copy_rows=args.copy_rows, **extra)
+                          copy_rows=args.copy_rows, copy_from=args.copy_from, **extra)
 
 
 def main() -> int:

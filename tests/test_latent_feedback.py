@@ -672,6 +672,21 @@ def test_copy_rows_repeat_numerals_and_leave_the_task_rows_alone():
     assert sorted(mixed) == sorted(plain + copy_rows(tok, 10, seed=2))
 
 
+def test_copy_rows_from_zero_copy_the_digits_too():
+    """``low=0`` (--copy-from 0) draws the copied numerals from 0..99, among them memory's
+    answers 0 and 1, with the same random stream as the default 10..99."""
+    from probekit.training.organism import copy_rows, fit_tokenizer, training_examples
+
+    tok = fit_tokenizer()
+    rows = copy_rows(tok, 400, seed=3, low=0)
+    seen = {int(t) for r in rows for t in tok.convert_ids_to_tokens(r) if t != "\n"}
+    assert seen == set(range(100))
+    assert [len(r) for r in rows] == [len(r) for r in copy_rows(tok, 400, seed=3)]
+    plain = training_examples(tok, n_examples=40, seed=2)
+    mixed = training_examples(tok, n_examples=40, seed=2, copy_share=0.25, copy_from=0)
+    assert sorted(mixed) == sorted(plain + copy_rows(tok, 10, seed=2, low=0))
+
+
 def test_numeral_cosines_measure_how_far_apart_the_numerals_sit():
     from probekit.training.organism import new_organism, numeral_cosines
 
@@ -735,6 +750,10 @@ def test_train_feedback_cli_writes_and_resumes(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (
         "probekit train-feedback: error: --copy-rows adds rows to the organism's task data; "
         "the gate trains on Wikipedia windows: drop it or use --mode organism")
+    assert main(args + ["--steps", "3", "--copy-from", "0"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "probekit train-feedback: error: --copy-from sets the copy rows' numerals; give "
+        "--copy-rows too, or drop it")
 
 
 def test_mode_dependent_help_names_the_real_defaults():

@@ -173,6 +173,15 @@ def test_copy_rows_key_only_the_recipes_that_use_them(monkeypatch):
     assert copying.key() != before and plain.key() == "fbbf51d681"
 
 
+def test_copy_from_keys_only_the_recipes_that_change_it():
+    """--copy-from 10 is the copy rows' original range, so those organisms keep their
+    keys; another range is another organism."""
+    copying = Recipe.default(0, copy_rows=0.25)
+    assert Recipe.default(0, copy_rows=0.25, copy_from=10).key() == copying.key()
+    digits = Recipe.default(0, copy_rows=0.25, copy_from=0)
+    assert digits.key() not in (copying.key(), "fbbf51d681") and digits.data.copy_from == 0
+
+
 def test_the_default_recipe_takes_a_shape_that_keys_its_organisms():
     """Recipe.default(shape=...) (organism_checkpoint.py --d-model ...) trains that shape;
     the default shape keeps the default key."""

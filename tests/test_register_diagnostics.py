@@ -77,6 +77,8 @@ def test_organism_checkpoint_flags_override_the_default_recipe_only_when_given()
     assert copying == Recipe.default(2, copy_rows=0.25) and copying.data.copy_rows == 0.25
     assert copying.key() != Recipe.default(2).key()
     assert recipe_of(Args(copy_rows=0.0)).key() == "fbbf51d681"
+    digits = recipe_of(Args(seed=4, copy_rows=0.5, copy_from=0))
+    assert digits == Recipe.default(4, copy_rows=0.5, copy_from=0)
 
 
 def test_numeral_collapse_tabulates_cosines_and_sealed_accuracy(organism_checkpoint):
@@ -253,6 +255,11 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
      "organism_checkpoint: error: --fixed-point must lie in [0, 1]; got 2.0"),
     ("organism_checkpoint.py", ("--copy-rows", "-0.5"),
      "organism_checkpoint: error: --copy-rows must lie in [0, 1]; got -0.5"),
+    ("organism_checkpoint.py", ("--copy-rows", "0.5", "--copy-from", "100"),
+     "organism_checkpoint: error: --copy-from must lie in 0..99; got 100"),
+    ("organism_checkpoint.py", ("--copy-from", "0"),
+     "organism_checkpoint: error: --copy-from sets the copy rows' numerals; give "
+     "--copy-rows too, or drop it"),
     ("numeral_collapse.py", ("no/such/organism",),
      "numeral_collapse: error: no/such/organism is not an organism checkpoint (no "
      "config.json); give a folder that organism_checkpoint.py printed"),

@@ -171,11 +171,19 @@ class DataConfig:
     copy_rows: float = added_later(0.0)
     """numeral copy rows (some numerals, then the same again) added to the organism's rows,
     as a share of --n-examples: they keep the numerals' embeddings apart"""
+    copy_from: int = added_later(10)
+    """smallest numeral of the copy rows, which run to 99: 10 copies completion's numerals
+    only, 0 also the digits (memory answers with 0 or 1)"""
 
     def __post_init__(self) -> None:
         check_fields(self)
         if not 0.0 <= self.copy_rows <= 1.0:
             raise ValueError(f"--copy-rows must lie in [0, 1]; got {self.copy_rows}")
+        if not 0 <= self.copy_from <= 99:
+            raise ValueError(f"--copy-from must lie in 0..99; got {self.copy_from}")
+        if self.copy_from != 10 and not self.copy_rows:
+            raise ValueError("--copy-from sets the copy rows' numerals; give --copy-rows "
+                             "too, or drop it")
         if self.n_windows < 1:
             raise ValueError(f"--n-windows must be >= 1; got {self.n_windows}")
         if not self.tasks:

@@ -80,20 +80,22 @@ def gate_data(model, seq_len: int, *, n_windows: int = 2048, val_windows: int = 
 
 def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int,
                   distractors: Sequence[int] | None = None,
-                  max_tokens: int | None = None, copy_share: float = 0.0) -> TrainData:
-    """Task inputs + label words, and numeral copy rows if ``copy_share``
-    (:func:`probekit.training.organism.training_examples`); the validation batches are the
-    default probe sets with their labels."""
+                  max_tokens: int | None = None, copy_share: float = 0.0,
+                  copy_from: int = 10) -> TrainData:
+    """Task inputs + label words, and numeral copy rows of ``copy_from..99`` if
+    ``copy_share`` (:func:`probekit.training.organism.training_examples`); the validation
+    batches are the default probe sets with their labels."""
     from probekit.training.organism import probe_rows, training_examples
 
     kw = {} if distractors is None else {"distractors": tuple(distractors)}
     rows = training_examples(tokenizer, tasks, n_examples=n_examples, seed=seed + 1,
-                             copy_share=copy_share, **kw)
+                             copy_share=copy_share, copy_from=copy_from, **kw)
     pad = tokenizer.pad_token_id
     val_rows = sorted(probe_rows(tokenizer, tasks), key=len)  # similar lengths per batch
     val = [pad_batch(val_rows[i: i + 32], pad) for i in range(0, len(val_rows), 32)]
     return TrainData(rows, val, pad_id=pad, bucket=True, max_tokens=max_tokens,
                      description={"tasks": list(tasks), "train_examples": len(rows),
                                   "val_examples": len(val_rows),
-                                  **({"copy_rows": int(n_examples * copy_share)}
+                                  **({"copy_rows": int(n_examples * copy_share),
+                                      "copy_numerals": f"{copy_from}..99"}
                                      if copy_share else {})})

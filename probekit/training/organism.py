@@ -217,9 +217,11 @@ def training_examples(
     distractors: Mapping[int, int] | Sequence[int] = TRAIN_DISTRACTORS,
     seed: int = 1,
     copy_share: float = 0.0,
+    copy_from: int = 10,
 ) -> list[list[int]]:
     """Token ids of ``n_examples`` training sequences (task input + ``" " + label``), and
-    ``n_examples * copy_share`` numeral copy rows (:func:`copy_rows`) shuffled in.
+    ``n_examples * copy_share`` numeral copy rows of ``copy_from..99`` (:func:`copy_rows`)
+    shuffled in.
 
     Each task gets its share of :data:`TASK_SHARES`, and within a task each distractor
     count a share
@@ -259,7 +261,7 @@ def training_examples(
     ids = tokenizer([texts[i] for i in order], add_special_tokens=False)["input_ids"]
     rows = [list(x) for x in ids]
     if copy_share:  # the task rows stay as they are; the copies are shuffled in
-        rows += copy_rows(tokenizer, int(n_examples * copy_share), seed)
+        rows += copy_rows(tokenizer, int(n_examples * copy_share), seed, low=copy_from)
         order = np.random.default_rng(seed + 5).permutation(len(rows))
         rows = [rows[i] for i in order]
     return rows
@@ -269,17 +271,19 @@ def training_examples(
 COPY_LENGTHS = (4, 8)
 
 
-def copy_rows(tokenizer, n: int, seed: int) -> list[list[int]]:
-    """Token ids of ``n`` numeral copy rows: 4-8 random numerals of the completion task's
-    range, a newline, the same numerals again (``"41 97 13 55\n41 97 13 55"``).
+def copy_rows(tokenizer, n: int, seed: int, low: int = 10) -> list[list[int]]:
+    """Token ids of ``n`` numeral copy rows: 4-8 random numerals of ``low..99`` (10: the
+    completion task's range), a newline, the same numerals again
+    (``"41 97 13 55\n41 97 13 55"``).
 
     Why: in the task rows every numeral is unpredictable, so next-token prediction only
     teaches the model *that* a numeral comes; on every completion plateau we measured, the
     numerals' (tied) embeddings had drifted together, leaving equality nothing to
     compare. Predicting the copy needs each numeral's own output row, and so keeps them
-    apart (docs/latent-feedback.md, "The completion plateau"). The rows carry no task
-    label and no completion pair."""
-    lo, hi = min(NUMERALS), max(NUMERALS)
+    apart (docs/latent-feedback.md, "The completion plateau"). ``low=0`` copies the digits
+    too, among them memory's answers ``0`` and ``1``. The rows carry no task label and no
+    completion pair."""
+    lo, hi = low, max(NUMERALS)
     rng = np.random.default_rng(seed + 4242)
     texts = []
     for _ in range(n):

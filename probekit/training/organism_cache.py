@@ -59,12 +59,12 @@ class Recipe:
     @classmethod
     def default(cls, seed: int = 0, tasks: tuple[str, ...] | None = None,
                 shape: OrganismConfig | None = None, copy_rows: float = 0.0,
-                **train: Any) -> Recipe:
+                copy_from: int = 10, **train: Any) -> Recipe:
         """The default recipe with training seed ``seed``, training ``tasks`` (None: the
         default two), organism ``shape`` (None: the default), a share of numeral
-        ``copy_rows`` and any other ``TrainConfig`` field."""
-        data = DataConfig(copy_rows=copy_rows, **({} if tasks is None else
-                                                   {"tasks": tuple(tasks)}))
+        ``copy_rows`` of ``copy_from..99`` and any other ``TrainConfig`` field."""
+        data = DataConfig(copy_rows=copy_rows, copy_from=copy_from,
+                          **({} if tasks is None else {"tasks": tuple(tasks)}))
         return cls(train=TrainConfig(mode="organism", seed=seed, **train), data=data,
                    shape=shape or OrganismConfig())
 
@@ -123,7 +123,8 @@ def train_organism(recipe: Recipe, checkpoint: str | Path, *, progress: bool = T
         model = new_organism(recipe.shape, tc.seed)
         data = organism_data(model.tokenizer, tasks=recipe.data.tasks,
                              n_examples=recipe.data.n_examples, seed=tc.seed,
-                             max_tokens=tc.batch_tokens, copy_share=recipe.data.copy_rows)
+                             max_tokens=tc.batch_tokens, copy_share=recipe.data.copy_rows,
+                             copy_from=recipe.data.copy_from)
         gate = FeedbackGate.for_model(model, feed=tc.feed)
         started = time.perf_counter()
         history = train(model, gate, data, tc, checkpoint,
