@@ -1,6 +1,7 @@
 """Latent feedback against SEMANTICS.md "Latent feedback" (probekit.mechanisms.latent_feedback,
 probekit.mechanisms.generation, probekit.training). Tiny random Llamas; seconds in all."""
 
+import dataclasses
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -403,6 +404,54 @@ def test_training_an_organism_lowers_its_loss(tmp_path):
     loaded = load_checkpoint(tmp_path / "ck")
     assert loaded.model.d_model == 32 and loaded.step == 40
     assert loaded.model.content_hash == model.content_hash
+
+
+def test_validation_accuracy_by_task_equals_each_task_alone(tmp_path):
+    """evaluate(groups=...) gives each group the accuracy of its batches evaluated alone;
+    the pooled accuracy is their row-weighted mean; training logs it per task."""
+    model, gate, data = _tiny_organism_and_data()
+    tok, rows, pad = model.tokenizer, data.train, data.pad_id
+    zero, one = tok.convert_tokens_to_ids(["zero", "one"])
+    wrong = [r[:-1] + [zero + one - r[-1]] for r in rows]  # the other answer: accuracy ~0
+    batches = [pad_batch(rows[:7], pad), pad_batch(wrong[7:10], pad), pad_batch(rows[10:], pad)]
+    tasks = dataclasses.replace(data, val=batches, val_tasks=("a", "b", "a"))
+    config = TrainConfig(mode="organism", steps=150, batch_size=8, lr=1e-2, warmup=5,
+                         eval_every=150, save_every=150, answer_weight=1.0, feedback_start=0)
+    lines = []
+    history = train(model, gate, tasks, config, tmp_path / "ck", progress=False,
+                    log=lines.append)
+    grouped = evaluate(model.hf_model, gate, batches, 3, groups=("a", "b", "a"))
+    a = evaluate(model.hf_model, gate, batches[0::2], 3)["last_token_accuracy"]
+    b = evaluate(model.hf_model, gate, batches[1:2], 3)["last_token_accuracy"]
+    assert abs(a[0] - b[0]) > 0.2  # the groups differ, so mixing them up would show
+    assert grouped["group_accuracy"]["a"] == pytest.approx(a)
+    assert grouped["group_accuracy"]["b"] == pytest.approx(b)
+    pooled = [(17 * x + 3 * y) / 20 for x, y in zip(a, b, strict=True)]
+    assert grouped["last_token_accuracy"] == pytest.approx(pooled)
+    assert history[-1]["val_task_accuracy"]["a"] == pytest.approx(a)
+    assert lines[-1].endswith("; a " + " ".join(f"{x:.3f}" for x in a) + "; b "
+                              + " ".join(f"{x:.3f}" for x in b))
+    assert "group_accuracy" not in evaluate(model.hf_model, gate, batches, 3)
+    with pytest.raises(ValueError, match="groups names 2 batches; there are 3"):
+        evaluate(model.hf_model, gate, batches, 3, groups=("a", "b"))
+
+
+def test_organism_validation_batches_each_hold_one_task():
+    """organism_data's validation batches: every probe row once, each batch of one task,
+    named in val_tasks."""
+    from probekit.training.data import organism_data
+    from probekit.training.organism import fit_tokenizer, probe_rows, probe_rows_by_task
+
+    tok = fit_tokenizer()
+    data = organism_data(tok, tasks=("completion", "memory"), n_examples=40, seed=0)
+    by_task = probe_rows_by_task(tok, ("completion", "memory"))
+    assert len(data.val_tasks) == len(data.val) and set(data.val_tasks) == set(by_task)
+    for task in by_task:
+        got = [row[: int(valid.sum()) + 1].tolist() for (ids, valid), t
+               in zip(data.val, data.val_tasks, strict=True) if t == task for row, valid
+               in zip(ids, valid, strict=True)]
+        assert sorted(got) == sorted(by_task[task])
+    assert sorted(sum(by_task.values(), [])) == sorted(probe_rows(tok))
 
 
 def test_fixed_point_share_trains_full_batches_only_after_feedback_start(tmp_path):

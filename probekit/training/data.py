@@ -38,6 +38,9 @@ class TrainData:
     #: bucketed batches hold at most this many tokens (fewer rows when rows are long), so
     #: a step's cost stays bounded whatever the rows' lengths; None: always ``size`` rows
     max_tokens: int | None = None
+    #: the task of each ``val`` batch (organism mode), so validation reports accuracy per
+    #: task; empty: one pool (gate mode's Wikipedia windows)
+    val_tasks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self._by_length = sorted(range(len(self.train)), key=lambda i: len(self.train[i]))
@@ -85,17 +88,21 @@ def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int
     """Task inputs + label words, and numeral copy rows of ``copy_from..99`` if
     ``copy_share`` (:func:`probekit.training.organism.training_examples`); the validation
     batches are the default probe sets with their labels."""
-    from probekit.training.organism import probe_rows, training_examples
+    from probekit.training.organism import probe_rows_by_task, training_examples
 
     kw = {} if distractors is None else {"distractors": tuple(distractors)}
     rows = training_examples(tokenizer, tasks, n_examples=n_examples, seed=seed + 1,
                              copy_share=copy_share, copy_from=copy_from, **kw)
     pad = tokenizer.pad_token_id
-    val_rows = sorted(probe_rows(tokenizer, tasks), key=len)  # similar lengths per batch
-    val = [pad_batch(val_rows[i: i + 32], pad) for i in range(0, len(val_rows), 32)]
+    val, val_tasks = [], []
+    for task, task_rows in probe_rows_by_task(tokenizer, tasks).items():
+        task_rows = sorted(task_rows, key=len)  # similar lengths per batch
+        val += [pad_batch(task_rows[i: i + 32], pad) for i in range(0, len(task_rows), 32)]
+        val_tasks += [task] * (len(val) - len(val_tasks))
     return TrainData(rows, val, pad_id=pad, bucket=True, max_tokens=max_tokens,
+                     val_tasks=tuple(val_tasks),
                      description={"tasks": list(tasks), "train_examples": len(rows),
-                                  "val_examples": len(val_rows),
+                                  "val_examples": sum(len(ids) for ids, _ in val),
                                   **({"copy_rows": int(n_examples * copy_share),
                                       "copy_numerals": f"{copy_from}..99"}
                                      if copy_share else {})})

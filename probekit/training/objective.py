@@ -33,6 +33,8 @@ its size relative to the state depends on the model's residual scale).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -179,13 +181,18 @@ def fixed_point_loss(
 
 @torch.no_grad()
 def evaluate(hf_model, gate: FeedbackGate, batches: list[tuple[Tensor, Tensor]],
-             n_passes: int) -> dict[str, list[float]]:
+             n_passes: int, groups: Sequence[str] = ()) -> dict[str, Any]:
     """Validation metrics of each Jacobi pass 1..n (no mixin, no jitter): ``loss`` (mean
     next-token loss) and ``last_token_accuracy`` (argmax at each row's last target, which
-    for task rows is the label word)."""
+    for task rows is the label word); with ``groups`` (a name per batch, e.g. its task),
+    also ``group_accuracy``: that accuracy over each group's rows alone."""
+    if groups and len(groups) != len(batches):
+        raise ValueError(f"groups names {len(groups)} batches; there are {len(batches)}")
     sums, hits = np.zeros(n_passes), np.zeros(n_passes)
     count = rows = 0
-    for ids, valid in batches:
+    by_group: dict[str, np.ndarray] = {}  # name -> [hits by pass..., rows]
+    for j, (ids, valid) in enumerate(batches):
+        before = hits.copy()
         _, losses, logits = multipass_loss(hf_model, gate, ids, valid, n_passes,
                                            return_logits=True)
         n = float(valid.sum())
@@ -196,5 +203,11 @@ def evaluate(hf_model, gate: FeedbackGate, batches: list[tuple[Tensor, Tensor]],
         for k, lg in enumerate(logits):
             hits[k] += int((lg[b, last - 1].argmax(-1) == ids[b, last]).sum())
         rows += len(ids)
-    return {"loss": (sums / max(count, 1)).tolist(),
-            "last_token_accuracy": (hits / max(rows, 1)).tolist()}
+        if groups:
+            tally = by_group.setdefault(groups[j], np.zeros(n_passes + 1))
+            tally += np.append(hits - before, len(ids))
+    out: dict[str, Any] = {"loss": (sums / max(count, 1)).tolist(),
+                           "last_token_accuracy": (hits / max(rows, 1)).tolist()}
+    if groups:
+        out["group_accuracy"] = {g: (t[:-1] / t[-1]).tolist() for g, t in by_group.items()}
+    return out

@@ -183,12 +183,17 @@ def probe_sets(tokenizer, distractors: Sequence[int] = PROBE_DISTRACTORS,
 def probe_rows(tokenizer, tasks: Sequence[str] = TRAIN_TASKS) -> list[list[int]]:
     """Token ids of the probe sets' rows (input + ``" " + label``) of ``tasks``, in
     :data:`ORGANISM_TASKS` order: the organism's validation rows."""
-    rows: list[list[int]] = []
+    return [row for rows in probe_rows_by_task(tokenizer, tasks).values() for row in rows]
+
+
+def probe_rows_by_task(tokenizer, tasks: Sequence[str] = TRAIN_TASKS
+                       ) -> dict[str, list[list[int]]]:
+    """:func:`probe_rows` of each task, in :data:`ORGANISM_TASKS` order."""
     ordered = [t for t in ORGANISM_TASKS if t in tasks]
-    for data in probe_sets(tokenizer, tasks=ordered).values():
-        texts = [ex.text + " " + ex.label for ex in data.examples]
-        rows += tokenizer(texts, add_special_tokens=False)["input_ids"]
-    return rows
+    return {name: [list(x) for x in tokenizer(
+                [ex.text + " " + ex.label for ex in data.examples],
+                add_special_tokens=False)["input_ids"]]
+            for name, data in probe_sets(tokenizer, tasks=ordered).items()}
 
 
 def held_out_pairs(tokenizer) -> set[frozenset[int]]:

@@ -80,10 +80,13 @@ def _validate(hf, gate: FeedbackGate, data: TrainData, config: TrainConfig) -> d
     """Validation metrics by pass, with the modules back in their training mode after."""
     hf.eval()
     gate.eval()
-    val = evaluate(hf, gate, data.val, max(3, config.max_passes))
+    val = evaluate(hf, gate, data.val, max(3, config.max_passes), groups=data.val_tasks)
     hf.train(config.mode == "organism")
     gate.train()
-    return {"val_pass_losses": val["loss"], "val_last_token_accuracy": val["last_token_accuracy"]}
+    out = {"val_pass_losses": val["loss"], "val_last_token_accuracy": val["last_token_accuracy"]}
+    if "group_accuracy" in val:
+        out["val_task_accuracy"] = val["group_accuracy"]
+    return out
 
 
 def train(
@@ -158,7 +161,9 @@ def train(
             entry.update(_validate(hf, gate, data, config))
             log(f"step {step + 1}: val loss by pass " + " ".join(
                 f"{v:.4f}" for v in entry["val_pass_losses"]) + "; last-token accuracy by pass "
-                + " ".join(f"{v:.3f}" for v in entry["val_last_token_accuracy"]))
+                + " ".join(f"{v:.3f}" for v in entry["val_last_token_accuracy"])
+                + "".join(f"; {task} " + " ".join(f"{v:.3f}" for v in acc)
+                          for task, acc in entry.get("val_task_accuracy", {}).items()))
         history.append(entry)
         bar.set_postfix(loss=f"{total.item():.3f}", K=K)
         if (step + 1) % config.save_every == 0 or done:
