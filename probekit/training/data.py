@@ -97,8 +97,9 @@ def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int
     val, val_tasks = [], []
     for task, task_rows in probe_rows_by_task(tokenizer, tasks).items():
         task_rows = sorted(task_rows, key=len)  # similar lengths per batch
-        val += [pad_batch(task_rows[i: i + 32], pad) for i in range(0, len(task_rows), 32)]
-        val_tasks += [task] * (len(val) - len(val_tasks))
+        batches = [pad_batch(task_rows[i: i + 32], pad) for i in range(0, len(task_rows), 32)]
+        val += batches
+        val_tasks += [task] * len(batches)
     return TrainData(rows, val, pad_id=pad, bucket=True, max_tokens=max_tokens,
                      val_tasks=tuple(val_tasks),
                      description={"tasks": list(tasks), "train_examples": len(rows),

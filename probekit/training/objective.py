@@ -192,7 +192,6 @@ def evaluate(hf_model, gate: FeedbackGate, batches: list[tuple[Tensor, Tensor]],
     count = rows = 0
     by_group: dict[str, np.ndarray] = {}  # name -> [hits by pass..., rows]
     for j, (ids, valid) in enumerate(batches):
-        before = hits.copy()
         _, losses, logits = multipass_loss(hf_model, gate, ids, valid, n_passes,
                                            return_logits=True)
         n = float(valid.sum())
@@ -200,12 +199,13 @@ def evaluate(hf_model, gate: FeedbackGate, batches: list[tuple[Tensor, Tensor]],
         count += n
         last = valid.sum(1)  # each row's last target is ids[last]
         b = torch.arange(len(ids))
-        for k, lg in enumerate(logits):
-            hits[k] += int((lg[b, last - 1].argmax(-1) == ids[b, last]).sum())
+        batch_hits = np.array([int((lg[b, last - 1].argmax(-1) == ids[b, last]).sum())
+                               for lg in logits])
+        hits += batch_hits
         rows += len(ids)
         if groups:
             tally = by_group.setdefault(groups[j], np.zeros(n_passes + 1))
-            tally += np.append(hits - before, len(ids))
+            tally += np.append(batch_hits, len(ids))
     out: dict[str, Any] = {"loss": (sums / max(count, 1)).tolist(),
                            "last_token_accuracy": (hits / max(rows, 1)).tolist()}
     if groups:
