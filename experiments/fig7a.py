@@ -3,6 +3,10 @@ accuracy against length for every task and regime (mean and min-max over organis
 seeds), with every number, the patching statistics and each organism's training record
 in one JSON.
 
+The organisms are the ones the runs used (each run's summary names its checkpoint, whose
+cache folder holds the training record), so a figure of another recipe's organisms says
+which recipe it shows: the fields where it differs from the default recipe.
+
     python experiments/fig7a.py runs/latent-feedback-fig7a --counts 0 8 32 128 256 --seeds 0 1 3
 """
 
@@ -12,15 +16,20 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import tyro
 
 from probekit.analysis.across_runs import combine_runs
+from probekit.commands.common import script_error
+from probekit.core import model_cache
 from probekit.plots.state_tracking import plot_by_length
-from probekit.training.organism_cache import Recipe, organism_folder, sealed
+from probekit.runs import identity
+from probekit.training.organism_cache import Recipe
 
 #: The paper's depth-0 probe accuracy under full recurrent prefill (Sec. 4.4, Fig. 7a).
 PAPER = {"completion": 0.996, "memory": 1.0}
+TASKS = ("completion", "memory")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,27 +39,90 @@ class Args:
     counts: tuple[int, ...] = (0, 8, 32, 128, 256)
     seeds: tuple[int, ...] = (0, 1, 3)
     out: Path = Path("figures")
+    name: str = "latent-feedback-fig7a"
+    """the figure's and JSON's file name, without suffix"""
 
 
-def main() -> int:
-    args = tyro.cli(Args)
+class Fig7aError(ValueError):
+    """Input the figure cannot be made from (one line)."""
+
+
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(_leaves(v, f"{prefix}.{k}" if prefix else k))
+    return out
+
+
+def recipe_changes(record: dict[str, Any], seed: int) -> dict[str, Any]:
+    """Where a sealed organism's recipe differs from the default recipe of its seed:
+    ``{"train.fixed_point": 0.1, "steps": 3000, ...}`` (empty for the default)."""
+    default = Recipe.default(seed)
+    want = _leaves({"recipe": identity(default), "steps": default.train.steps})
+    got = _leaves({"recipe": record["recipe"], "steps": record["steps"]})
+    changed = {k.removeprefix("recipe."): got.get(k) for k in set(want) | set(got)
+               if want.get(k) != got.get(k)}
+    return dict(sorted(changed.items()))
+
+
+def organism_of(run: Path, summary: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The cache folder and sealed record of the organism a run's summary names."""
+    ckpt = summary.get("mechanism", {}).get("checkpoint")
+    if ckpt is None:
+        raise Fig7aError(f"{run}/summary.json names no latent-feedback checkpoint; give "
+                         f"the run folder of experiments/latent_feedback_organism.sh")
+    folder = Path(ckpt).parent
+    rec = model_cache.record(folder)
+    reason = "no training record" if rec is None else model_cache.problem(folder)
+    if reason is not None or "recipe" not in rec:
+        raise Fig7aError(f"{run}: its organism {folder} is not a sound cached organism "
+                         f"({reason or 'no recipe in its record'}); rerun the script, "
+                         f"which trains it again")
+    return str(folder), rec
+
+
+def collect(args: Args) -> dict[str, Any]:
+    """Every number of the figure, from the run folders and the organisms' records."""
     table: dict = {}
     seconds: dict = {}
-    for task in ("completion", "memory"):
+    folders: dict[int, set[str]] = {s: set() for s in args.seeds}
+    records: dict[int, dict[str, Any]] = {}
+    for task in TASKS:
         for d in args.counts:
-            runs = {f"latent-feedback-seed{s}": json.loads(
-                (args.run / f"seed{s}" / f"{task}-d{d}" / "summary.json").read_text())
-                for s in args.seeds}
+            runs = {}
+            for s in args.seeds:
+                run = args.run / f"seed{s}" / f"{task}-d{d}"
+                try:
+                    summary = json.loads((run / "summary.json").read_text())
+                except (OSError, ValueError) as e:
+                    raise Fig7aError(f"{run}/summary.json: cannot read it ({e}); run "
+                                     f"experiments/latent_feedback_organism.sh with the "
+                                     f"same SEEDS and COUNTS first") from None
+                folder, records[s] = organism_of(run, summary)
+                folders[s].add(folder)
+                runs[f"latent-feedback-seed{s}"] = summary
             m = combine_runs(runs)["mechanisms"]["latent-feedback"]
             (entry,) = m["datasets"].values()
             table.setdefault(task, {})[d] = entry["regimes"]
             seconds.setdefault(task, {})[d] = m["wall_seconds"]
+    for s, found in folders.items():
+        if len(found) > 1:
+            raise Fig7aError(f"seed {s}'s runs used {len(found)} organisms "
+                             f"({', '.join(sorted(found))}); rerun them into one RUN folder "
+                             f"per recipe")
+    changes = {s: recipe_changes(records[s], s) for s in args.seeds}
+    if len({json.dumps(c, sort_keys=True) for c in changes.values()}) > 1:
+        raise Fig7aError("the seeds' organisms come from different recipes ("
+                         + "; ".join(f"seed {s}: {_describe(c)}" for s, c in changes.items())
+                         + "); make one figure per recipe")
     organisms = {}
-    for seed in args.seeds:
-        rec = sealed(Recipe.default(seed))
-        organisms[seed] = {k: rec[k] for k in ("train_seconds", "task_accuracy", "steps",
-                                               "final_val_pass_losses", "data")}
-        organisms[seed]["folder"] = organism_folder(Recipe.default(seed)).name
+    for s in args.seeds:
+        rec = records[s]
+        organisms[s] = {k: rec[k] for k in ("train_seconds", "task_accuracy", "steps",
+                                            "final_val_pass_losses", "data")}
+        organisms[s]["folder"] = Path(folders[s].pop()).name
     verdicts = {}
     for task, rows in table.items():
         full0 = [r["full"]["probe_min"][0] for r in rows.values()]
@@ -60,18 +132,35 @@ def main() -> int:
             "worst_seed_depth0_full": min(full0), "best_seed_depth0_none": max(none0),
             "reproduces": min(full0) >= 0.99 and max(none0) <= 0.6,
         }
-    out = {"seeds": list(args.seeds), "counts": list(args.counts), "organisms": organisms,
-           "verdicts": verdicts, "wall_seconds": seconds, "results": table}
+    return {"seeds": list(args.seeds), "counts": list(args.counts),
+            "recipe_changes": changes[args.seeds[0]], "organisms": organisms,
+            "verdicts": verdicts, "wall_seconds": seconds, "results": table}
+
+
+def _describe(changes: dict[str, Any]) -> str:
+    """``train.fixed_point 0.1, steps 3000`` ("the default recipe" if none)."""
+    return ", ".join(f"{k} {v}" for k, v in changes.items()) or "the default recipe"
+
+
+def main() -> int:
+    args = tyro.cli(Args)
+    try:
+        out = collect(args)
+    except Fig7aError as err:
+        return script_error("fig7a", str(err))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "latent-feedback-fig7a.json").write_text(json.dumps(out, indent=1))
-    fig = plot_by_length(table, title=f"latent feedback on probekit's organism "
-                                      f"({len(args.seeds)} training seeds: mean, min-max)")
-    fig.savefig(args.out / "latent-feedback-fig7a.png", dpi=120)
-    for task, v in verdicts.items():
+    (args.out / f"{args.name}.json").write_text(json.dumps(out, indent=1))
+    recipe = _describe(out["recipe_changes"])
+    fig = plot_by_length(out["results"], title=f"latent feedback on probekit's organism "
+                         f"({len(args.seeds)} training seeds: mean, min-max)"
+                         + ("" if not out["recipe_changes"] else f"\nrecipe: {recipe}"))
+    fig.savefig(args.out / f"{args.name}.png", dpi=120)
+    print(f"organisms: {recipe}")
+    for task, v in out["verdicts"].items():
         print(f"{task}: depth-0 probe under full recurrence >= {v['worst_seed_depth0_full']:.3f} "
               f"at every length and seed (paper {v['paper_depth0_full']}); under standard "
               f"prefill <= {v['best_seed_depth0_none']:.3f}")
-    print(f"wrote {args.out / 'latent-feedback-fig7a.png'} and .json")
+    print(f"wrote {args.out / args.name}.png and .json")
     return 0
 
 

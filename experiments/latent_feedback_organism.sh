@@ -12,27 +12,45 @@
 #
 #   experiments/latent_feedback_organism.sh                 # from the repository root
 #   SEEDS="0" COUNTS="0 8" experiments/latent_feedback_organism.sh   # a quick look
+#
+# RECIPE takes experiments/organism_checkpoint.py's flags: the same figure on the
+# organisms of another recipe, trained into the cache first if need be. Its runs and
+# figure get names of their own (RUN, and FIGURE for the file stem, say otherwise; OUT
+# is the figure's folder), so the default recipe's figure is never overwritten:
+#   RECIPE="--copy-rows 0.25 --fixed-point 0.1 --steps 3000" SEEDS="0 1 3 4" \
+#       experiments/latent_feedback_organism.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROBEKIT=${PROBEKIT:-probekit}  # run inside the venv (or set PROBEKIT)
 PYTHON=${PYTHON:-python}
-RUN=${RUN:-runs/latent-feedback-fig7a}
+RECIPE=${RECIPE:-}
+# the recipe's flags as a name: "--copy-rows 0.25 --steps 3000" -> "copy-rows-0.25-steps-3000"
+SLUG=$(echo "$RECIPE" | sed -E 's/(^| )--/ /g; s/^ +//; s/ +/-/g')
+RUN=${RUN:-runs/latent-feedback-fig7a${SLUG:+-$SLUG}}
+FIGURE=${FIGURE:-latent-feedback-fig7a${SLUG:+-$SLUG}}
+OUT=${OUT:-figures}
 # seed 2 does not learn the tasks (docs/latent-feedback.md: a failed training, reported
 # there, left out of the figure); seed 3 took its place
 SEEDS=${SEEDS:-0 1 3}
 COUNTS=${COUNTS:-0 8 32 128 256}
 
 for seed in $SEEDS; do   # one run per seed: a seed added later reuses the others
+    if [ -z "$RECIPE" ]; then
+        organism=(--organism-seeds "$seed")
+    else  # word splitting of RECIPE is meant: it holds flags
+        # shellcheck disable=SC2086
+        ckpt=$("$PYTHON" experiments/organism_checkpoint.py --seed "$seed" $RECIPE)
+        organism=(--checkpoint "$ckpt")
+    fi
     for d in $COUNTS; do
         # examples per length: completion 80 pairs x 4 assignments, memory 128 contexts x 2
         for task_examples in completion:320 memory:256; do
             task=${task_examples%%:*}
-            "$PROBEKIT" run state-tracking --mechanism latent-feedback --organism-seeds "$seed" \
+            "$PROBEKIT" run state-tracking --mechanism latent-feedback "${organism[@]}" \
                 --task "$task" --examples "${task_examples##*:}" --distractors "$d" \
                 --recurrence none last-k full --k 1 --threads 1 --no-progress \
                 --run-dir "$RUN/seed$seed/$task-d$d"
         done
     done
 done
-mkdir -p figures
-"$PYTHON" experiments/fig7a.py "$RUN" --counts $COUNTS --seeds $SEEDS
+"$PYTHON" experiments/fig7a.py "$RUN" --counts $COUNTS --seeds $SEEDS --out "$OUT" --name "$FIGURE"

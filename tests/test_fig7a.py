@@ -1,0 +1,152 @@
+"""experiments/latent_feedback_organism.sh and fig7a.py (Fig. 7a, docs/latent-feedback.md)
+on another recipe's organisms: the organisms come from the cache under the recipe's
+flags, the figure names the recipe and never overwrites the default one, and input the
+figure cannot be made from gets a one-line error."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from probekit.runs import identity
+from probekit.training.config import OrganismConfig
+from probekit.training.organism_cache import Recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+from fig7a import recipe_changes  # noqa: E402
+from organism_checkpoint import Args, recipe_of  # noqa: E402
+
+#: A 2-step, 2-block organism: cheap to train, and far from the default recipe.
+RECIPE = "--steps 2 --n-blocks 2 --d-model 32 --n-heads 2 --d-mlp 64"
+STEM = "latent-feedback-fig7a-steps-2-n-blocks-2-d-model-32-n-heads-2-d-mlp-64"
+
+
+def script(tmp: Path, **env: str) -> subprocess.CompletedProcess:
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PROBEKIT_CACHE_DIR": str(tmp / "cache"), "RUN": str(tmp / "run"),
+           "OUT": str(tmp / "figures"), "PYTHON": sys.executable,
+           "PROBEKIT": str(bin_dir / "probekit"), "OMP_NUM_THREADS": "1", **env}
+    return subprocess.run(["bash", str(ROOT / "experiments" / "latent_feedback_organism.sh")],
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+def fig7a(run: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "experiments" / "fig7a.py"), str(run),
+                           "--counts", "0", "--out", str(out), *flags],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PROBEKIT_CACHE_DIR": str(out / "cache")})
+
+
+@pytest.fixture(scope="module")
+def recipe_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fig7a")
+    done = script(tmp, RECIPE=RECIPE, SEEDS="0", COUNTS="0")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return tmp, done
+
+
+def test_recipe_changes_names_the_fields_that_differ_from_the_default():
+    assert recipe_changes({"recipe": identity(Recipe.default(3)), "steps": 2000}, 3) == {}
+    other = Recipe.default(3, copy_rows=0.25, fixed_point=0.1, steps=3000)
+    assert recipe_changes({"recipe": identity(other), "steps": 3000}, 3) == {
+        "data.copy_rows": 0.25, "train.fixed_point": 0.1, "steps": 3000}
+    # an organism of seed 3 shown as seed 1's differs in its seed
+    assert recipe_changes({"recipe": identity(Recipe.default(3)), "steps": 2000}, 1) == {
+        "train.seed": 3}
+
+
+def test_a_recipe_figure_shows_that_recipes_cached_organisms_under_its_own_name(recipe_run):
+    tmp, done = recipe_run
+    assert sorted(p.name for p in (tmp / "figures").iterdir()) == [f"{STEM}.json",
+                                                                   f"{STEM}.png"]
+    out = json.loads((tmp / "figures" / f"{STEM}.json").read_text())
+    assert out["recipe_changes"] == {"shape.d_mlp": 64, "shape.d_model": 32,
+                                     "shape.n_blocks": 2, "shape.n_heads": 2, "steps": 2}
+    recipe = recipe_of(Args(seed=0, steps=2, shape=OrganismConfig(n_blocks=2, d_model=32,
+                                                                  n_heads=2, d_mlp=64)))
+    folder = tmp / "cache" / "organisms" / out["organisms"]["0"]["folder"]
+    assert folder.name == f"seed0-{recipe.key()}"
+    sealed = json.loads((folder / "probekit-cache.json").read_text())
+    assert out["organisms"]["0"]["task_accuracy"] == sealed["task_accuracy"]
+    summary = json.loads((tmp / "run" / "seed0" / "memory-d0" / "summary.json").read_text())
+    assert summary["mechanism"]["checkpoint"] == str(folder / "checkpoint")
+    assert set(out["results"]) == {"completion", "memory"}
+    assert set(out["results"]["memory"]["0"]) == {"none", "last-1", "full"}
+    assert "organisms: shape.d_mlp 64, shape.d_model 32, shape.n_blocks 2, shape.n_heads 2, " \
+           "steps 2" in done.stdout
+
+
+def test_a_bad_recipe_flag_stops_the_script_before_any_run(tmp_path):
+    done = script(tmp_path, RECIPE="--steps 0", SEEDS="0", COUNTS="0")
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("organism_checkpoint: error: --steps must be a positive "
+                                   "integer; got 0")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+
+def _runs_copy(recipe_run, tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(recipe_run[0] / "run", run)
+    return run
+
+
+def _point(summary_file: Path, checkpoint: str | None) -> None:
+    summary = json.loads(summary_file.read_text())
+    if checkpoint is None:
+        del summary["mechanism"]["checkpoint"]
+    else:
+        summary["mechanism"]["checkpoint"] = checkpoint
+    summary_file.write_text(json.dumps(summary))
+
+
+def test_fig7a_errors_name_the_run_and_say_what_to_do(recipe_run, tmp_path):
+    run = _runs_copy(recipe_run, tmp_path)
+    out = tmp_path / "figures"
+    done = fig7a(run, out, "--seeds", "0", "1")
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"fig7a: error: {run}/seed1/completion-d0/summary.json: "
+                                  f"cannot read it (")
+    assert done.stderr.strip().endswith("run experiments/latent_feedback_organism.sh with "
+                                        "the same SEEDS and COUNTS first")
+    assert done.stderr.count("\n") == 1 and not out.exists()
+
+    # seed 1's runs used seed 0's organism: another recipe than seed 1's default
+    shutil.copytree(run / "seed0", run / "seed1")
+    done = fig7a(run, out, "--seeds", "0", "1")
+    assert done.stderr.strip() == (
+        "fig7a: error: the seeds' organisms come from different recipes (seed 0: "
+        "shape.d_mlp 64, shape.d_model 32, shape.n_blocks 2, shape.n_heads 2, steps 2; "
+        "seed 1: shape.d_mlp 64, shape.d_model 32, shape.n_blocks 2, shape.n_heads 2, "
+        "steps 2, train.seed 0); make one figure per recipe")
+
+    summary = json.loads((run / "seed0" / "memory-d0" / "summary.json").read_text())
+    organism = Path(summary["mechanism"]["checkpoint"]).parent
+    twin = tmp_path / "twin"  # a sound copy: the seal's file names are relative
+    shutil.copytree(organism, twin)
+    _point(run / "seed0" / "memory-d0" / "summary.json", str(twin / "checkpoint"))
+    done = fig7a(run, out, "--seeds", "0")
+    both = ", ".join(sorted((str(organism), str(twin))))
+    assert done.stderr.strip() == (f"fig7a: error: seed 0's runs used 2 organisms ({both}); "
+                                   f"rerun them into one RUN folder per recipe")
+
+    (twin / "checkpoint" / "model.safetensors").write_bytes(b"damaged")
+    done = fig7a(run, out, "--seeds", "0")
+    assert done.stderr.strip() == (
+        f"fig7a: error: {run}/seed0/memory-d0: its organism {twin} is not a sound cached "
+        f"organism (checkpoint/model.safetensors has 7 bytes, "
+        f"{(organism / 'checkpoint' / 'model.safetensors').stat().st_size} were written); "
+        f"rerun the script, which trains it again")
+
+    _point(run / "seed0" / "memory-d0" / "summary.json", None)
+    done = fig7a(run, out, "--seeds", "0")
+    assert done.stderr.strip() == (
+        f"fig7a: error: {run}/seed0/memory-d0/summary.json names no latent-feedback "
+        f"checkpoint; give the run folder of experiments/latent_feedback_organism.sh")
+    assert not out.exists()
