@@ -122,6 +122,8 @@ def collect(args: Args) -> dict[str, Any]:
         rec = records[s]
         organisms[s] = {k: rec[k] for k in ("train_seconds", "task_accuracy", "steps",
                                             "final_val_pass_losses", "data")}
+        # where it was trained (seals before 2026-12-04 do not say)
+        organisms[s].update({k: rec[k] for k in ("versions", "machine") if k in rec})
         organisms[s]["folder"] = Path(folders[s].pop()).name
     verdicts = {}
     for task, rows in table.items():

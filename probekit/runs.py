@@ -4,7 +4,8 @@ Every long command writes one folder::
 
     runs/<command>-<config hash>/
         config.json      the full configuration (what the hash is computed from)
-        manifest.json    package versions, model name/hash/source, argv, start time
+        manifest.json    package versions, machine (arch, torch CPU kernels), model
+                         name/hash/source, argv, start time
         parts/<key>.npz  one file per finished unit of work (a window batch, a pair...)
         summary.json     the results, written last
         *.png            plots
@@ -66,6 +67,17 @@ def versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             out[p] = "not installed"
     return out
+
+
+def machine() -> dict[str, str]:
+    """What decides a float result beyond the inputs and ``versions()``: the processor
+    architecture and the CPU kernels torch dispatches to (AVX2, AVX512, ...), whose
+    summation orders differ in the last bits (docs/latent-feedback.md, "Cached, verified,
+    deterministic")."""
+    import torch  # here, not at the top: the run folder machinery needs no torch
+
+    return {"arch": platform.machine(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def config_hash(config: dict) -> str:
@@ -269,6 +281,7 @@ class RunDir:
             "argv": sys.argv,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "versions": versions(),
+            "machine": machine(),
         }
         if model is not None:
             manifest["model"] = {"name": model.name, "content_hash": model.content_hash,

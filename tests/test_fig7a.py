@@ -75,6 +75,7 @@ def test_a_recipe_figure_shows_that_recipes_cached_organisms_under_its_own_name(
     assert folder.name == f"seed0-{recipe.key()}"
     sealed = json.loads((folder / "probekit-cache.json").read_text())
     assert out["organisms"]["0"]["task_accuracy"] == sealed["task_accuracy"]
+    assert out["organisms"]["0"]["machine"] == sealed["machine"]  # where it was trained
     summary = json.loads((tmp / "run" / "seed0" / "memory-d0" / "summary.json").read_text())
     assert summary["mechanism"]["checkpoint"] == str(folder / "checkpoint")
     assert set(out["results"]) == {"completion", "memory"}

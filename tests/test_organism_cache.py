@@ -4,7 +4,9 @@ verified on every use, retrained when damaged, resumed when interrupted, determi
 from __future__ import annotations
 
 import json
+import platform
 import warnings
+from importlib import metadata
 
 import numpy as np
 import pytest
@@ -53,6 +55,10 @@ def test_trained_once_sealed_then_reused_without_training(monkeypatch):
     assert set(rec["task_accuracy"]) == {"completion", "memory"}
     assert "checkpoint/organism/model.safetensors" in rec["files"]
     assert "checkpoint/model.safetensors" in rec["files"]
+    # what varies across machines (docs/latent-feedback.md), so a seal says where it ran
+    assert rec["machine"] == {"arch": platform.machine(),
+                              "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    assert rec["versions"]["torch"] == metadata.version("torch")
 
     def no_training(*a, **k):
         raise AssertionError("a sealed organism must not be trained again")

@@ -62,6 +62,7 @@ def test_cli_end_to_end_and_resume(tmp_path, tiny_model, capsys):
     assert summary["n_windows"] == 4 and summary["n_tokens"] == 4 * 23
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["model"]["name"] == "tiny-5" and "torch" in manifest["versions"]
+    assert manifest["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     lp = np.load(run_dir / "token_log_probs.npz")
     assert lp["base"].shape == lp["rec"].shape == (4, 23)
 

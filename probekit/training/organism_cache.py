@@ -9,9 +9,10 @@ it by hand first, and nobody should get a half-trained or damaged one:
   it first when it is not there. Training checkpoints as it goes, so an interrupted first
   use resumes where it stopped (the trainer's resume is exact).
 - A finished organism is sealed: the size and sha256 of every file, with the recipe,
-  the training time and the task accuracy, go into ``probekit-cache.json``
-  (:func:`probekit.core.model_cache.seal`). Every later use checks that record; a
-  damaged organism is trained again, with one warning line saying why.
+  the training time, the task accuracy and the machine that trained it, go into
+  ``probekit-cache.json`` (:func:`probekit.core.model_cache.seal`). Every later use
+  checks that record; a damaged organism is trained again, with one warning line saying
+  why.
 - Training runs on one CPU thread whatever ``--threads`` says: the organism is too small
   to gain from more, and one thread makes a seed's weights a function of the seed and
   the machine alone (other machines' matmul kernels may still round differently).
@@ -34,7 +35,7 @@ import torch
 
 from probekit.core import model_cache
 from probekit.paths import cache_dir
-from probekit.runs import config_hash, holding, identity
+from probekit.runs import config_hash, holding, identity, machine, versions
 from probekit.training.config import DataConfig, OrganismConfig, TrainConfig
 from probekit.training.train import final_validation, training_seconds
 
@@ -190,5 +191,8 @@ def trained_organism(recipe: Recipe | None = None, *, progress: bool = True,
             "train_seconds": training_seconds(run["history"], run["seconds"]),
             "task_accuracy": accuracy, "data": run["data"],
             "final_val_pass_losses": final_validation(run["history"]),
+            # the machine that finished the training (an interrupted one may have begun
+            # elsewhere): a seed's weights are a function of the recipe and the machine
+            "versions": versions(), "machine": machine(),
         })
     return ckpt
