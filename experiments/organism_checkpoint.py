@@ -6,6 +6,7 @@ organism trained with a non-default schedule, fed-back state or task mix.
     python experiments/organism_checkpoint.py --seed 0 --schedule 0.75 0.25 --steps 3000
     python experiments/organism_checkpoint.py --seed 2 --weight-decay 0.1
     python experiments/organism_checkpoint.py --seed 3 --fixed-point 0.1
+    python experiments/organism_checkpoint.py --seed 1 --lr-floor 0 --steps 3000
     python experiments/organism_checkpoint.py --seed 2 --copy-rows 0.25
     python experiments/organism_checkpoint.py --seed 4 --copy-rows 0.5 --copy-from 0
     python experiments/organism_checkpoint.py --seed 0 --feed residual
@@ -37,6 +38,8 @@ class Args:
     """training steps (default: the recipe's 2000)"""
     lr: float | None = None
     """peak learning rate (default: the recipe's 0.002)"""
+    lr_floor: float | None = None
+    """last step's learning rate as a share of the peak (default: the recipe's 0.1)"""
     weight_decay: float | None = None
     """AdamW weight decay on matrices (default: the recipe's 0.01)"""
     feedback_start: int | None = None
@@ -56,7 +59,8 @@ class Args:
 
 
 #: Training flags that override the default recipe only when given.
-OVERRIDES = ("schedule", "steps", "lr", "weight_decay", "feedback_start", "fixed_point")
+OVERRIDES = ("schedule", "steps", "lr", "lr_floor", "weight_decay", "feedback_start",
+             "fixed_point")
 
 
 def recipe_of(args: Args) -> Recipe:

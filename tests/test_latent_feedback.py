@@ -2,6 +2,7 @@
 probekit.mechanisms.generation, probekit.training). Tiny random Llamas; seconds in all."""
 
 import dataclasses
+import math
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -563,6 +564,8 @@ def test_train_config_validation():
         TrainConfig(fixed_point=1.5)
     with pytest.raises(ValueError, match=r"mixin must lie in \[0, 1\]"):
         TrainConfig(mixin=2.0)
+    with pytest.raises(ValueError, match=r"^--lr-floor must lie in \[0, 1\]; got -0.1$"):
+        TrainConfig(lr_floor=-0.1)
     assert TrainConfig(schedule=[0.5, 0.5]).max_passes == 2
 
 
@@ -838,3 +841,26 @@ def test_warmup_cosine_rises_linearly_then_decays_to_a_tenth():
     assert warmup_cosine(104, 2.0, 4, 104) == pytest.approx(0.2)
     assert warmup_cosine(500, 2.0, 4, 104) == pytest.approx(0.2)
     assert warmup_cosine(0, 1.0, 0, 10) == 1.0  # no warm-up: the peak at step 0
+
+
+def test_lr_floor_sets_where_the_cosine_ends(tmp_path):
+    """--lr-floor F: the cosine runs from the peak to F of it (0.1 = the schedule above,
+    0 = to zero), and the trainer uses it at every step (history's ``lr``)."""
+    from probekit.training.train import lr_at, warmup_cosine
+
+    assert warmup_cosine(104, 2.0, 4, 104, floor=0.0) == 0.0
+    assert warmup_cosine(54, 2.0, 4, 104, floor=0.0) == pytest.approx(1.0)
+    assert warmup_cosine(54, 2.0, 4, 104, floor=0.5) == pytest.approx(1.5)
+    assert warmup_cosine(2, 2.0, 4, 104, floor=0.0) == 1.5  # warm-up unchanged
+    assert [warmup_cosine(s, 2.0, 4, 104, floor=0.1) for s in range(110)] == [
+        warmup_cosine(s, 2.0, 4, 104) for s in range(110)]
+    model, gate, data = _tiny_organism_and_data()
+    config = TrainConfig(mode="organism", steps=8, batch_size=4, lr=1e-2, warmup=2,
+                         eval_every=0, save_every=8, answer_weight=1.0, feedback_start=8,
+                         lr_floor=0.0)
+    history = train(model, gate, data, config, tmp_path / "ck", progress=False)
+    lrs = [h["lr"] for h in history if "lr" in h]
+    assert lrs == [lr_at(s, config) for s in range(8)]
+    assert lrs[:3] == [5e-3, 1e-2, 1e-2]
+    # the last step is 5/6 down the cosine; with the default floor it would be 1e-3 higher
+    assert lrs[-1] == pytest.approx(1e-2 * 0.5 * (1 + math.cos(math.pi * 5 / 6)))

@@ -73,6 +73,10 @@ def test_organism_checkpoint_flags_override_the_default_recipe_only_when_given()
     fixed = recipe_of(Args(seed=3, fixed_point=0.1))
     assert fixed.train.fixed_point == 0.1 and fixed.key() != Recipe.default(3).key()
     assert recipe_of(Args(fixed_point=0.0)).key() == "fbbf51d681"  # 0 is the default recipe
+    to_zero = recipe_of(Args(seed=1, lr_floor=0.0, steps=3000))
+    assert to_zero == Recipe.default(1, lr_floor=0.0, steps=3000)
+    assert to_zero.key() != Recipe.default(1, steps=3000).key()
+    assert recipe_of(Args(lr_floor=0.1)).key() == "fbbf51d681"  # 0.1: the default recipe
     copying = recipe_of(Args(seed=2, copy_rows=0.25))
     assert copying == Recipe.default(2, copy_rows=0.25) and copying.data.copy_rows == 0.25
     assert copying.key() != Recipe.default(2).key()

@@ -48,6 +48,9 @@ class TrainConfig:
     """AdamW weight decay (matrices only)"""
     warmup: int | None = None
     """linear warm-up steps (default: gate 20, organism 200)"""
+    lr_floor: float = added_later(0.1)
+    """learning rate at the last step as a share of --lr: the cosine decays to it (0: to
+    zero)"""
     lam: float = 1.0
     """lambda of Eq. 12: the weight of the fused passes' losses"""
     schedule: tuple[float, ...] = (0.75, 0.22, 0.03)
@@ -123,7 +126,7 @@ def _validate(c: TrainConfig) -> None:
             raise ValueError(f"--{_flag(name)} must be >= 0; got {getattr(c, name)}")
     if not c.answer_weight > 0:
         raise ValueError(f"--answer-weight must be > 0; got {c.answer_weight}")
-    for name in ("mixin", "fixed_point"):
+    for name in ("mixin", "fixed_point", "lr_floor"):
         if not 0 <= getattr(c, name) <= 1:
             raise ValueError(f"--{_flag(name)} must lie in [0, 1]; got {getattr(c, name)}")
 

@@ -1,7 +1,8 @@
 """The latent-feedback training loop: optimizer, schedule, resume (paper Sec. 3.3, App. C).
 
 :func:`train` minimises the multi-pass objective (:mod:`probekit.training.objective`)
-with AdamW, linear warm-up and cosine decay to 10% of the peak rate. Modes:
+with AdamW, linear warm-up and cosine decay to ``--lr-floor`` (default 10%) of the peak
+rate. Modes:
 
 - ``gate``: only the gate trains; the pretrained model is frozen. Pass 1 then does not
   depend on any trainable weight, so it runs without gradients, and a one-pass batch
@@ -51,17 +52,18 @@ def draw_passes(schedule: tuple[float, ...], generator: torch.Generator) -> int:
     return int(torch.multinomial(torch.tensor(schedule), 1, generator=generator)) + 1
 
 
-def warmup_cosine(step: int, peak: float, warmup: int, steps: int) -> float:
-    """Linear warm-up to ``peak``, then cosine decay to ``peak / 10`` at ``steps``."""
+def warmup_cosine(step: int, peak: float, warmup: int, steps: int, floor: float = 0.1) -> float:
+    """Linear warm-up to ``peak``, then cosine decay to ``floor * peak`` at ``steps``."""
     if step < warmup:
         return peak * (step + 1) / warmup
     frac = (step - warmup) / max(1, steps - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
-    """The learning rate of ``step``: ``warmup_cosine`` with the config's rate and steps."""
-    return warmup_cosine(step, config.lr, config.warmup, config.steps)
+    """The learning rate of ``step``: ``warmup_cosine`` with the config's rate, steps and
+    floor."""
+    return warmup_cosine(step, config.lr, config.warmup, config.steps, config.lr_floor)
 
 
 def make_optimizer(params: list[tuple[str, torch.nn.Parameter]],
