@@ -852,6 +852,13 @@ def test_lr_floor_sets_where_the_cosine_ends(tmp_path):
     assert warmup_cosine(54, 2.0, 4, 104, floor=0.0) == pytest.approx(1.0)
     assert warmup_cosine(54, 2.0, 4, 104, floor=0.5) == pytest.approx(1.5)
     assert warmup_cosine(2, 2.0, 4, 104, floor=0.0) == 1.5  # warm-up unchanged
+    # the default floor is the schedule before --lr-floor existed, bit for bit (so every
+    # recipe trained before keeps its weights)
+    def before(s):
+        return 2.0 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min((s - 4) / 100, 1.0))))
+
+    assert [warmup_cosine(s, 2.0, 4, 104) for s in range(4, 110)] == [
+        before(s) for s in range(4, 110)]
     assert [warmup_cosine(s, 2.0, 4, 104, floor=0.1) for s in range(110)] == [
         warmup_cosine(s, 2.0, 4, 104) for s in range(110)]
     model, gate, data = _tiny_organism_and_data()
