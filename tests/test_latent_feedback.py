@@ -869,5 +869,5 @@ def test_lr_floor_sets_where_the_cosine_ends(tmp_path):
     lrs = [h["lr"] for h in history if "lr" in h]
     assert lrs == [lr_at(s, config) for s in range(8)]
     assert lrs[:3] == [5e-3, 1e-2, 1e-2]
-    # the last step is 5/6 down the cosine; with the default floor it would be 1e-3 higher
+    # the last step is 5/6 down the cosine; the default floor would add 0.1 * (1e-2 - it)
     assert lrs[-1] == pytest.approx(1e-2 * 0.5 * (1 + math.cos(math.pi * 5 / 6)))
