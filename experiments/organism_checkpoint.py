@@ -8,6 +8,8 @@ organism trained with a non-default schedule, fed-back state or task mix.
     python experiments/organism_checkpoint.py --seed 3 --fixed-point 0.1
     python experiments/organism_checkpoint.py --seed 1 --lr-floor 0 --steps 3000
     python experiments/organism_checkpoint.py --seed 2 --copy-rows 0.25
+    python experiments/organism_checkpoint.py --seed 0 --copy-rows 0.25 --n-examples 48000
+    python experiments/organism_checkpoint.py --seed 0 --copy-rows 0.25 --long-rows 4
     python experiments/organism_checkpoint.py --seed 4 --copy-rows 0.5 --copy-from 0
     python experiments/organism_checkpoint.py --seed 0 --feed residual
     python experiments/organism_checkpoint.py --seed 0 --tasks registers
@@ -54,6 +56,10 @@ class Args:
     """numeral copy rows added, as a share of the task rows (default 0: none)"""
     copy_from: int = 10
     """smallest numeral of the copy rows, which run to 99 (0: the digits too)"""
+    long_rows: float = 1.0
+    """times the default share of rows with 64-256 null updates (default 1)"""
+    n_examples: int | None = None
+    """task rows to train on, drawn afresh (default: the recipe's 24000)"""
     shape: Annotated[OrganismConfig, FLAT] = OrganismConfig()
     """the organism's shape (--d-model, --n-heads, ...; default probekit's)"""
 
@@ -67,7 +73,8 @@ def recipe_of(args: Args) -> Recipe:
     """The default recipe with the flags given in ``args``."""
     extra = {k: getattr(args, k) for k in OVERRIDES if getattr(args, k) is not None}
     return Recipe.default(args.seed, tasks=args.tasks, shape=args.shape, feed=args.feed,
-                          copy_rows=args.copy_rows, copy_from=args.copy_from, **extra)
+                          copy_rows=args.copy_rows, copy_from=args.copy_from,
+                          n_examples=args.n_examples, long_rows=args.long_rows, **extra)
 
 
 def main() -> int:

@@ -121,3 +121,28 @@ def test_training_rows_follow_the_task_and_length_shares():
     pairs = {p for p in pairs if len(p) == 2}
     assert len(pairs) > 200  # fresh numeral pairs throughout, not a few hundred reused
     assert not pairs & held_out_pairs(tok)
+
+
+def test_long_rows_multiplies_the_share_of_the_long_lengths_only():
+    """--long-rows 4: the rows with 64-256 null updates come four times as often (against
+    the other lengths); 1 is the default mix, row for row."""
+    from probekit.training.organism import (
+        LONG_FROM,
+        TRAIN_DISTRACTORS,
+        fit_tokenizer,
+        train_distractors,
+        training_examples,
+    )
+
+    assert train_distractors(1.0) == TRAIN_DISTRACTORS
+    weights = train_distractors(4)
+    assert weights == {d: 4 * w if d >= LONG_FROM else w for d, w in TRAIN_DISTRACTORS.items()}
+    tok = fit_tokenizer()
+    assert training_examples(tok, n_examples=300, distractors=train_distractors(1.0)) == \
+        training_examples(tok, n_examples=300)
+    texts = tok.batch_decode(training_examples(tok, n_examples=900, distractors=weights))
+    nulls = np.array([t.count("+=") for t in texts if t.startswith("required")])
+    total = sum(weights.values())
+    for d, w in weights.items():
+        assert (nulls == d).mean() == pytest.approx(w / total, abs=0.02)
+    assert (nulls >= LONG_FROM).mean() == pytest.approx(12 / 44, abs=0.03)  # 3/35 by default

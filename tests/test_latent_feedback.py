@@ -754,12 +754,12 @@ def test_numeral_cosines_measure_how_far_apart_the_numerals_sit():
 
 
 def test_label_accuracy_equals_a_row_by_row_reference(organism_checkpoint):
-    """Batched (length-sorted, padded) accuracy = each row alone, its label word compared
-    by logit at its last token; under a feedback regime too."""
+    """Batched (length-sorted, padded) predictions and accuracy = each row alone, its
+    label word compared by logit at its last token; under a feedback regime too."""
     from probekit.core.engine import StepEngine
     from probekit.mechanisms.latent_feedback import prefill
     from probekit.training.checkpoint import load_checkpoint
-    from probekit.training.organism import label_accuracy
+    from probekit.training.organism import label_accuracy, label_predictions
     from synthetic.dataset import label_token_ids
     from synthetic.registers import LABEL_WORDS, training_examples
 
@@ -771,11 +771,11 @@ def test_label_accuracy_equals_a_row_by_row_reference(organism_checkpoint):
     ids = label_token_ids(tok, LABEL_WORDS)
     assert len({len(r) for r in rows}) > 1  # padding is exercised
     for regime in ("none", "full"):
-        hits = []
-        for row, label in zip(rows, labels, strict=True):
-            logits = prefill(engine, [row], ck.gate, regime, return_logits=True).logits[0, -1]
-            hits.append(int(logits[ids].argmax()) == label)
-        want = sum(hits) / len(hits)
+        alone = [int(prefill(engine, [row], ck.gate, regime, return_logits=True)
+                     .logits[0, -1][ids].argmax()) for row in rows]
+        assert label_predictions(engine, ck.gate, rows, ids, regime,
+                                 batch_size=5).tolist() == alone
+        want = sum(p == y for p, y in zip(alone, labels, strict=True)) / len(rows)
         assert label_accuracy(engine, ck.gate, rows, labels, ids, regime, batch_size=5) == want
         assert label_accuracy(engine, ck.gate, rows, [1 - x for x in labels], ids,
                               regime) == pytest.approx(1 - want)
@@ -802,6 +802,13 @@ def test_train_feedback_cli_writes_and_resumes(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (
         "probekit train-feedback: error: --copy-rows adds rows to the organism's task data; "
         "the gate trains on Wikipedia windows: drop it or use --mode organism")
+    assert main(args + ["--steps", "3", "--long-rows", "4"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "probekit train-feedback: error: --long-rows weights the organism's task rows; the "
+        "gate trains on Wikipedia windows: drop it or use --mode organism")
+    assert main(args + ["--steps", "3", "--mode", "organism", "--long-rows", "0"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "probekit train-feedback: error: --long-rows must be a finite number > 0; got 0.0")
     assert main(args + ["--steps", "3", "--copy-from", "0"]) == 2
     assert capsys.readouterr().err.strip() == (
         "probekit train-feedback: error: --copy-from sets the copy rows' numerals; give "

@@ -198,6 +198,18 @@ def test_the_default_recipe_takes_a_shape_that_keys_its_organisms():
     assert Recipe.default(0, shape=OrganismConfig()).key() == "fbbf51d681"
 
 
+def test_the_default_recipe_takes_a_row_count_that_keys_its_organisms():
+    """Recipe.default(n_examples=...) (organism_checkpoint.py --n-examples) trains on that
+    many task rows; the default count keeps the default key; fewer rows than a batch are
+    refused with the flag's message before anything trains."""
+    more = Recipe.default(0, n_examples=48000)
+    assert more.data.n_examples == 48000 and more.key() != "fbbf51d681"
+    assert Recipe.default(0, n_examples=24000).key() == "fbbf51d681"
+    with pytest.raises(ValueError) as err:
+        Recipe.default(0, n_examples=63)
+    assert str(err.value) == "--n-examples must be >= --batch-size (64); got 63"
+
+
 def test_seal_records_every_file_and_problem_finds_a_missing_one(tmp_path):
     folder = tmp_path / "f"
     (folder / "sub").mkdir(parents=True)

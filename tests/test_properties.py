@@ -383,13 +383,16 @@ def data_config(draw):
     return dict(n_windows=draw(st.integers(1, 10_000)),
                 tasks=draw(st.sampled_from([("completion",), ("memory",),
                                             ("completion", "memory")])),
-                n_examples=draw(st.integers(1, 10_000)))
+                n_examples=draw(st.integers(1, 10_000)),
+                long_rows=draw(st.floats(1e-3, 1e3)))
 
 
 BAD_DATA = [
     ("n_windows", one("n_windows", below(1)), "--n-windows"),
     ("tasks", fixed(tasks=()), "--tasks"),
     ("n_examples", one("n_examples", below(1)), "--n-examples"),
+    ("long_rows", one("long_rows", st.floats(max_value=0, allow_nan=False)
+                      | st.sampled_from([NAN, math.inf])), "--long-rows"),
 ]
 
 

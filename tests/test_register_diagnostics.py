@@ -77,6 +77,13 @@ def test_organism_checkpoint_flags_override_the_default_recipe_only_when_given()
     assert to_zero == Recipe.default(1, lr_floor=0.0, steps=3000)
     assert to_zero.key() != Recipe.default(1, steps=3000).key()
     assert recipe_of(Args(lr_floor=0.1)).key() == "fbbf51d681"  # 0.1: the default recipe
+    more = recipe_of(Args(seed=1, n_examples=48000))
+    assert more == Recipe.default(1, n_examples=48000) and more.data.n_examples == 48000
+    assert recipe_of(Args(n_examples=24000)).key() == "fbbf51d681"  # the default count
+    longer = recipe_of(Args(seed=3, long_rows=4.0))
+    assert longer == Recipe.default(3, long_rows=4.0) and longer.data.long_rows == 4.0
+    assert longer.key() != Recipe.default(3).key()
+    assert recipe_of(Args(long_rows=1.0)).key() == "fbbf51d681"  # 1: the default mix
     copying = recipe_of(Args(seed=2, copy_rows=0.25))
     assert copying == Recipe.default(2, copy_rows=0.25) and copying.data.copy_rows == 0.25
     assert copying.key() != Recipe.default(2).key()
@@ -101,6 +108,47 @@ def test_numeral_collapse_tabulates_cosines_and_sealed_accuracy(organism_checkpo
     off = cos[~np.eye(90, dtype=bool)]
     assert rows[1][1:4] == [f"{off.mean():.2f}", f"{off.std():.2f}", f"{off.max():.2f}"]
     assert rows[1][4] == "- |" and abs(float(rows[0][1])) < 0.05
+
+
+def test_completion_errors_counts_the_sealed_accuracy_and_names_the_missed_pairs(
+        organism_checkpoint):
+    """The default set is the sealed probe set: each regime's accuracy over 0 and 8 null
+    updates is task_accuracy's; every row's missed assignments account for its accuracy,
+    and its pair-resampled interval holds it."""
+    from probekit.training.checkpoint import load_checkpoint
+    from probekit.training.organism import task_accuracy
+
+    out = run("completion_errors.py", str(organism_checkpoint))
+    assert out.returncode == 0, out.stderr
+    rows = [r.strip("| ").split(" | ") for r in out.stdout.splitlines()[2:]]
+    assert [(r[1], r[2]) for r in rows] == [(d, g) for d in ("0", "8")
+                                           for g in ("none", "last-1", "full")]
+    ck = load_checkpoint(organism_checkpoint)
+    sealed = task_accuracy(ck.model, ck.gate, ("completion",))["completion"]
+    for regime in ("none", "last-1", "full"):
+        mine = [float(r[3]) for r in rows if r[2] == regime]
+        assert sum(mine) / 2 == pytest.approx(sealed[regime], abs=1e-3)
+    assert any(r[5] != "-" for r in rows)  # the untrained organism misses some
+    for r in rows:
+        missed = sum(int(n) for n in re.findall(r"\d+-\d+ \((\d)/4\)", r[5]))
+        assert missed == round((1 - float(r[3])) * 64)  # 16 pairs x 4 assignments
+        low, high = map(float, r[4].split("-"))
+        assert low <= float(r[3]) <= high
+
+
+def test_pair_interval_resamples_pairs():
+    import numpy as np
+
+    sys.path.insert(0, str(EXPERIMENTS))
+    try:
+        from completion_errors import pair_interval
+    finally:
+        sys.path.remove(str(EXPERIMENTS))
+    assert pair_interval(np.ones((16, 4), dtype=bool)) == (1.0, 1.0)
+    right = np.ones((80, 4), dtype=bool)
+    right[:2, :2] = False  # two pairs half wrong: accuracy 0.9875
+    low, high = pair_interval(right)
+    assert 0.95 < low < 0.9875 < high <= 1.0
 
 
 def test_rename_registers_renames_every_register_and_the_query_alike():
@@ -264,6 +312,22 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
     ("organism_checkpoint.py", ("--copy-from", "0"),
      "organism_checkpoint: error: --copy-from sets the copy rows' numerals; give "
      "--copy-rows too, or drop it"),
+    ("organism_checkpoint.py", ("--long-rows", "-1"),
+     "organism_checkpoint: error: --long-rows must be a finite number > 0; got -1.0"),
+    ("organism_checkpoint.py", ("--n-examples", "10"),
+     "organism_checkpoint: error: --n-examples must be >= --batch-size (64); got 10"),
+    ("completion_errors.py", (), "completion_errors: error: give at least one organism "
+     "checkpoint folder"),
+    ("completion_errors.py", ("no/such/organism",),
+     "completion_errors: error: no/such/organism is not an organism checkpoint (no "
+     "config.json); give a folder that organism_checkpoint.py printed"),
+    ("completion_errors.py", ("no/such/organism", "--groups", "50"),
+     "completion_errors: error: --groups must be one of 16, 32, 64, 80 (the held-out pair "
+     "sets); got 50"),
+    ("completion_errors.py", ("no/such/organism", "--null-updates", "8", "-1"),
+     "completion_errors: error: --null-updates must be counts >= 0; got 8 -1"),
+    ("completion_errors.py", ("no/such/organism", "--regimes", "full", "last-2"),
+     "completion_errors: error: --regimes must be among none, last-1, full; got last-2"),
     ("numeral_collapse.py", ("no/such/organism",),
      "numeral_collapse: error: no/such/organism is not an organism checkpoint (no "
      "config.json); give a folder that organism_checkpoint.py printed"),

@@ -30,6 +30,9 @@ class Config:
         if train.mode == "gate" and self.data.copy_rows:
             raise UsageError("--copy-rows adds rows to the organism's task data; the gate "
                              "trains on Wikipedia windows: drop it or use --mode organism")
+        if train.mode == "gate" and self.data.long_rows != 1:
+            raise UsageError("--long-rows weights the organism's task rows; the gate trains "
+                             "on Wikipedia windows: drop it or use --mode organism")
         if train.mode == "organism" and self.data.n_examples < train.batch_size:
             raise UsageError(f"--n-examples must be >= --batch-size ({train.batch_size}); "
                              f"got {self.data.n_examples}")

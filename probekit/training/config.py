@@ -10,6 +10,7 @@ fills them in. The reasons for each default are in docs/latent-feedback.md.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -177,6 +178,9 @@ class DataConfig:
     copy_from: int = added_later(10)
     """smallest numeral of the copy rows, which run to 99: 10 copies completion's numerals
     only, 0 also the digits (memory answers with 0 or 1)"""
+    long_rows: float = added_later(1.0)
+    """how many times the default share of long completion and memory rows (64, 128 and
+    256 null updates) the organism trains on: 4 draws them four times as often"""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -184,6 +188,8 @@ class DataConfig:
             raise ValueError(f"--copy-rows must lie in [0, 1]; got {self.copy_rows}")
         if not 0 <= self.copy_from <= 99:
             raise ValueError(f"--copy-from must lie in 0..99; got {self.copy_from}")
+        if not 0 < self.long_rows < math.inf:  # NaN fails too
+            raise ValueError(f"--long-rows must be a finite number > 0; got {self.long_rows}")
         if self.copy_from != 10 and not self.copy_rows:
             raise ValueError("--copy-from sets the copy rows' numerals; give --copy-rows "
                              "too, or drop it")

@@ -84,13 +84,20 @@ def gate_data(model, seq_len: int, *, n_windows: int = 2048, val_windows: int = 
 def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int,
                   distractors: Sequence[int] | None = None,
                   max_tokens: int | None = None, copy_share: float = 0.0,
-                  copy_from: int = 10) -> TrainData:
+                  copy_from: int = 10, long_rows: float = 1.0) -> TrainData:
     """Task inputs + label words, and numeral copy rows of ``copy_from..99`` if
     ``copy_share`` (:func:`probekit.training.organism.training_examples`); the validation
-    batches are the default probe sets with their labels."""
-    from probekit.training.organism import probe_rows_by_task, training_examples
+    batches are the default probe sets with their labels. Without ``distractors`` the
+    null-update counts are weighted by
+    :func:`probekit.training.organism.train_distractors` of ``long_rows``."""
+    from probekit.training.organism import (
+        probe_rows_by_task,
+        train_distractors,
+        training_examples,
+    )
 
-    kw = {} if distractors is None else {"distractors": tuple(distractors)}
+    kw = {"distractors": train_distractors(long_rows) if distractors is None
+          else tuple(distractors)}
     rows = training_examples(tokenizer, tasks, n_examples=n_examples, seed=seed + 1,
                              copy_share=copy_share, copy_from=copy_from, **kw)
     pad = tokenizer.pad_token_id

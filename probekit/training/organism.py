@@ -30,8 +30,10 @@ words of the result.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -156,11 +158,17 @@ def save_organism(folder: str | Path, model: transformers.PreTrainedModel, token
 _PAIR = re.compile(r"required = (\d+)\ncompleted = (\d+)")
 
 
+def completion_numerals(text: str) -> tuple[int, int]:
+    """The ``required`` and ``completed`` numerals of a completion-tracking input."""
+    a, b = map(int, _PAIR.search(text).groups())
+    return a, b
+
+
 def completion_pairs(data: Dataset) -> set[frozenset[int]]:
     """The unordered numeral pairs used by a completion-tracking dataset."""
     out = set()
     for text in data.texts:
-        a, b = map(int, _PAIR.search(text).groups())
+        a, b = completion_numerals(text)
         if a != b:
             out.add(frozenset((a, b)))
     return out
@@ -196,11 +204,15 @@ def probe_rows_by_task(tokenizer, tasks: Sequence[str] = TRAIN_TASKS
             for name, data in probe_sets(tokenizer, tasks=ordered).items()}
 
 
+#: Sizes (numeral pairs) of the seed-0 completion sets whose pairs training never shows.
+HELD_OUT_GROUPS = (16, 32, 64, 80)
+
+
 def held_out_pairs(tokenizer) -> set[frozenset[int]]:
     """Completion numeral pairs that seed-0 probe sets can use (16, 32, 64 or 80 groups:
     the default, ``--examples 128/256/512`` of state-tracking, the enlarged set)."""
     out: set[frozenset[int]] = set()
-    for n in (16, 32, 64, 80):
+    for n in HELD_OUT_GROUPS:
         out |= completion_pairs(completion_dataset(tokenizer, n_groups=n, distractors=(0,),
                                                    seed=0))
     return out
@@ -212,6 +224,15 @@ def held_out_pairs(tokenizer) -> set[frozenset[int]]:
 #: teach length, while the short ones teach the tasks.
 TRAIN_DISTRACTORS = {0: 4, 1: 4, 2: 4, 3: 4, 4: 4, 6: 4, 8: 4, 16: 2, 32: 2, 64: 1, 128: 1,
                      256: 1}
+#: The null-update counts whose rows ``--long-rows`` reweights.
+LONG_FROM = 64
+
+
+def train_distractors(long_rows: float = 1.0) -> dict[int, float]:
+    """:data:`TRAIN_DISTRACTORS` with the weights of the counts from :data:`LONG_FROM` on
+    multiplied by ``long_rows`` (``DataConfig.long_rows``): the model sees the lengths of
+    Fig. 7a's longest sets that much more often, and the short ones a little less."""
+    return {d: w * long_rows if d >= LONG_FROM else w for d, w in TRAIN_DISTRACTORS.items()}
 
 
 def training_examples(
@@ -219,7 +240,7 @@ def training_examples(
     tasks: Sequence[str] = TRAIN_TASKS,
     *,
     n_examples: int = 24000,
-    distractors: Mapping[int, int] | Sequence[int] = TRAIN_DISTRACTORS,
+    distractors: Mapping[int, float] | Sequence[int] = TRAIN_DISTRACTORS,
     seed: int = 1,
     copy_share: float = 0.0,
     copy_from: int = 10,
@@ -254,7 +275,9 @@ def training_examples(
             texts += registers.training_texts(per_task, seed=seed * 1_000_000 + i * 100_000)
             continue
         for j, (d, w) in enumerate(weights.items()):
-            want = -(-per_task * w // total)
+            # exact ceiling for fractional weights (--long-rows), the same integer as
+            # before for whole ones: every earlier recipe draws the same rows
+            want = math.ceil(Fraction(per_task) * Fraction(w) / Fraction(total))
             got: list[str] = []
             s = seed * 1_000_000 + i * 100_000 + j * 1_000
             while len(got) < want:
@@ -317,7 +340,7 @@ def _rows(tokenizer, task: str, distractors: int, seed: int,
         data = completion_dataset(tokenizer, n_groups=64, distractors=(distractors,), seed=seed)
         # drop whole groups (all four assignments) whose pair is held out
         bad = {ex.group for ex in data.examples
-               if frozenset(map(int, _PAIR.search(ex.text).groups())) in held_out}
+               if frozenset(completion_numerals(ex.text)) in held_out}
         data.examples = [ex for ex in data.examples if ex.group not in bad]
     else:
         data = memory_dataset(tokenizer, n_groups=64, distractors=(distractors,), seed=seed)
@@ -327,23 +350,32 @@ def _rows(tokenizer, task: str, distractors: int, seed: int,
 
 
 # -------------------------------------------------------------------- accuracy
-def label_accuracy(engine, gate, rows: Sequence[Sequence[int]], labels: Sequence[int],
-                   label_ids: Sequence[int], regime: str = "none", *,
-                   batch_size: int = 64) -> float:
-    """How often the label word with the larger logit at each row's last token (among
-    ``label_ids``, in label order) is the row's label, under prefill ``regime``."""
+def label_predictions(engine, gate, rows: Sequence[Sequence[int]],
+                      label_ids: Sequence[int], regime: str = "none", *,
+                      batch_size: int = 64) -> np.ndarray:
+    """The index (in ``label_ids``' order) of the label word with the larger logit at
+    each row's last token, under prefill ``regime``: ``[len(rows)]``."""
     from probekit.mechanisms.latent_feedback import prefill
 
     ids = torch.tensor(list(label_ids))
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))  # similar lengths batched
-    correct = 0
+    pred = np.empty(len(rows), dtype=np.int64)
     for b in range(0, len(order), batch_size):
         idx = order[b: b + batch_size]
         res = prefill(engine, [rows[i] for i in idx], gate, regime, return_logits=True)
         last = torch.tensor([len(rows[i]) - 1 for i in idx])
-        pred = res.logits[torch.arange(len(idx)), last][:, ids].argmax(-1).numpy()
-        correct += int((pred == np.asarray(labels)[idx]).sum())
-    return correct / len(rows)
+        pred[idx] = res.logits[torch.arange(len(idx)), last][:, ids].argmax(-1).numpy()
+    return pred
+
+
+def label_accuracy(engine, gate, rows: Sequence[Sequence[int]], labels: Sequence[int],
+                   label_ids: Sequence[int], regime: str = "none", *,
+                   batch_size: int = 64) -> float:
+    """How often the label word with the larger logit at each row's last token (among
+    ``label_ids``, in label order) is the row's label, under prefill ``regime``
+    (:func:`label_predictions`)."""
+    pred = label_predictions(engine, gate, rows, label_ids, regime, batch_size=batch_size)
+    return int((pred == np.asarray(labels)).sum()) / len(rows)
 
 
 def task_accuracy(model, gate, tasks: Sequence[str] = TRAIN_TASKS,

@@ -56,16 +56,23 @@ class Recipe:
         if self.train.mode != "organism":
             raise ValueError(f"an organism recipe trains in organism mode, not {self.train.mode}")
         object.__setattr__(self, "train", self.train.resolved())
+        if self.data.n_examples < self.train.batch_size:  # as train-feedback refuses it
+            raise ValueError(f"--n-examples must be >= --batch-size ({self.train.batch_size}); "
+                             f"got {self.data.n_examples}")
 
     @classmethod
     def default(cls, seed: int = 0, tasks: tuple[str, ...] | None = None,
                 shape: OrganismConfig | None = None, copy_rows: float = 0.0,
-                copy_from: int = 10, **train: Any) -> Recipe:
+                copy_from: int = 10, n_examples: int | None = None, long_rows: float = 1.0,
+                **train: Any) -> Recipe:
         """The default recipe with training seed ``seed``, training ``tasks`` (None: the
         default two), organism ``shape`` (None: the default), a share of numeral
-        ``copy_rows`` of ``copy_from..99`` and any other ``TrainConfig`` field."""
-        data = DataConfig(copy_rows=copy_rows, copy_from=copy_from,
-                          **({} if tasks is None else {"tasks": tuple(tasks)}))
+        ``copy_rows`` of ``copy_from..99``, ``n_examples`` task rows (None: the default),
+        ``long_rows`` times the default share of long rows, and any other ``TrainConfig``
+        field."""
+        data = DataConfig(copy_rows=copy_rows, copy_from=copy_from, long_rows=long_rows,
+                          **({} if tasks is None else {"tasks": tuple(tasks)}),
+                          **({} if n_examples is None else {"n_examples": n_examples}))
         return cls(train=TrainConfig(mode="organism", seed=seed, **train), data=data,
                    shape=shape or OrganismConfig())
 
@@ -92,6 +99,8 @@ def data_constants(data: DataConfig) -> dict[str, Any]:
     # Constants added later shape only register rows, so they enter only the key of a
     # recipe that trains on them: every other recipe keeps its key (and its cached
     # organisms) when the register rows change.
+    if data.long_rows != 1:  # only a recipe that reweights long rows depends on the cut
+        out["long_from"] = organism.LONG_FROM
     if "registers" in tasks:
         out["register_distractor_weights"] = {
             str(k): v for k, v in registers.TRAINING_DISTRACTOR_WEIGHTS.items()}
@@ -125,7 +134,8 @@ def train_organism(recipe: Recipe, checkpoint: str | Path, *, progress: bool = T
         data = organism_data(model.tokenizer, tasks=recipe.data.tasks,
                              n_examples=recipe.data.n_examples, seed=tc.seed,
                              max_tokens=tc.batch_tokens, copy_share=recipe.data.copy_rows,
-                             copy_from=recipe.data.copy_from)
+                             copy_from=recipe.data.copy_from,
+                             long_rows=recipe.data.long_rows)
         gate = FeedbackGate.for_model(model, feed=tc.feed)
         started = time.perf_counter()
         history = train(model, gate, data, tc, checkpoint,

@@ -1,0 +1,129 @@
+"""Which completion pairs an organism gets wrong: task accuracy on the held-out numeral
+pairs per null-update count and prefill regime, and the pairs behind every error
+(docs/latent-feedback.md, "Where the errors sit").
+
+    python experiments/completion_errors.py \\
+        $(python experiments/organism_checkpoint.py --seed 0 --copy-rows 0.25 \\
+          --fixed-point 0.1 --steps 3000 --lr-floor 0)
+    python experiments/completion_errors.py CKPT --groups 80 --null-updates 0 8 128 256
+
+Each argument is an organism checkpoint folder (what ``organism_checkpoint.py`` prints).
+``--groups 16 --null-updates 0 8`` (the default) is the probe set an organism's sealed
+task accuracy is measured on; 80 groups are Fig. 7a's. Every pair of these sets is held
+out of training (``probekit.training.organism.held_out_pairs``). A pair has four
+assignments (``required`` / ``completed`` = a/b, a/a, b/a, b/b); ``24-99 (2/4)`` means two
+of them were answered wrongly. The 95% interval resamples pairs (the four assignments of a
+pair fail together more often than apart), with ``scipy.stats.bootstrap``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from pathlib import Path
+
+import numpy as np
+import tyro
+
+from probekit.commands.common import script_error
+
+usage_error = functools.partial(script_error, "completion_errors")
+REGIMES = ("none", "last-1", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    checkpoints: tyro.conf.Positional[tuple[Path, ...]] = ()
+    """organism checkpoint folders"""
+    groups: int = 16
+    """numeral pairs (16: the sealed probe set; 32, 64, 80: larger held-out sets)"""
+    null_updates: tuple[int, ...] = (0, 8)
+    """null-update counts (distractors) to measure at"""
+    regimes: tuple[str, ...] = REGIMES
+    """prefill regimes"""
+
+
+def _problem(args: Args) -> str | None:
+    from probekit.training.organism import HELD_OUT_GROUPS
+
+    if args.groups not in HELD_OUT_GROUPS:
+        return (f"--groups must be one of {', '.join(map(str, HELD_OUT_GROUPS))} (the "
+                f"held-out pair sets); got {args.groups}")
+    if not args.null_updates or min(args.null_updates) < 0:
+        return f"--null-updates must be counts >= 0; got {' '.join(map(str, args.null_updates))}"
+    bad = [r for r in args.regimes if r not in REGIMES]
+    if bad or not args.regimes:
+        return f"--regimes must be among {', '.join(REGIMES)}; got {' '.join(bad) or 'none'}"
+    if not args.checkpoints:
+        return "give at least one organism checkpoint folder"
+    for ck in args.checkpoints:
+        if not (ck / "config.json").is_file():
+            return (f"{ck} is not an organism checkpoint (no config.json); give a folder "
+                    f"that organism_checkpoint.py printed")
+    return None
+
+
+def pair_interval(right: np.ndarray) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the mean of ``right`` ``[pairs, 4]``, pairs
+    resampled; ``(1, 1)`` when every pair is right (the bootstrap is degenerate there)."""
+    from scipy.stats import bootstrap
+
+    per_pair = right.mean(axis=1)
+    if np.ptp(per_pair) == 0:
+        return float(per_pair[0]), float(per_pair[0])
+    ci = bootstrap((per_pair,), np.mean, confidence_level=0.95, n_resamples=10_000,
+                   method="percentile", random_state=0).confidence_interval
+    return float(ci.low), float(ci.high)
+
+
+def errors(checkpoint: Path, args: Args) -> list[tuple[int, str, float, tuple[float, float],
+                                                        str]]:
+    """(null updates, regime, accuracy, its 95% interval, missed pairs) of one organism."""
+    from probekit.core.engine import StepEngine
+    from probekit.training.checkpoint import load_checkpoint
+    from probekit.training.organism import completion_numerals, label_predictions
+    from synthetic.completion import completion_dataset
+    from synthetic.dataset import label_token_ids
+
+    ck = load_checkpoint(checkpoint)
+    tok, engine = ck.model.tokenizer, StepEngine(ck.model)
+    data = completion_dataset(tok, n_groups=args.groups, distractors=args.null_updates, seed=0)
+    ids = label_token_ids(tok, data.label_words)
+    pairs = {}  # group -> "a-b", from its a/b assignment
+    for ex in data.examples:
+        req, comp = completion_numerals(ex.text)
+        if req < comp:
+            pairs[ex.group] = f"{req}-{comp}"
+    out = []
+    for d in args.null_updates:
+        exs = [ex for ex in data.examples if ex.condition["distractors"] == d]
+        rows = tok([ex.text for ex in exs], add_special_tokens=False)["input_ids"]
+        labels = np.array([ex.label_id for ex in exs])
+        groups = np.array([ex.group for ex in exs])
+        for regime in args.regimes:
+            wrong = label_predictions(engine, ck.gate, rows, ids, regime) != labels
+            by_pair = np.stack([~wrong[groups == g] for g in sorted(set(groups))])
+            missed = {g: int(n) for g in sorted(set(groups))
+                      if (n := wrong[groups == g].sum())}
+            out.append((d, regime, 1 - wrong.mean(), pair_interval(by_pair),
+                        ", ".join(f"{pairs[g]} ({n}/4)" for g, n in missed.items()) or "-"))
+    return out
+
+
+def main() -> int:
+    args = tyro.cli(Args)
+    problem = _problem(args)
+    if problem:
+        return usage_error(problem)
+    print("| organism | null updates | regime | accuracy | 95% interval | pairs missed |\n"
+          "|---|---|---|---|---|---|")
+    for ck in args.checkpoints:
+        for d, regime, acc, (low, high), missed in errors(ck, args):
+            print(f"| {ck} | {d} | {regime} | {acc:.3f} | {low:.3f}-{high:.3f} | {missed} |",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
