@@ -153,8 +153,10 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(out, indent=1))
     recipe = _describe(out["recipe_changes"])
+    seeds = (f"training seed {args.seeds[0]}" if len(args.seeds) == 1
+             else f"{len(args.seeds)} training seeds: mean, min-max")
     fig = plot_by_length(out["results"], title=f"latent feedback on probekit's organism "
-                         f"({len(args.seeds)} training seeds: mean, min-max)"
+                         f"({seeds})"
                          + ("" if not out["recipe_changes"] else f"\nrecipe: {recipe}"))
     fig.savefig(args.out / f"{args.name}.png", dpi=120)
     print(f"organisms: {recipe}")
