@@ -101,13 +101,13 @@ def errors(checkpoint: Path, args: Args) -> list[tuple[int, str, float, tuple[fl
         rows = tok([ex.text for ex in exs], add_special_tokens=False)["input_ids"]
         labels = np.array([ex.label_id for ex in exs])
         groups = np.array([ex.group for ex in exs])
+        order = sorted(set(groups))
         for regime in args.regimes:
             wrong = label_predictions(engine, ck.gate, rows, ids, regime) != labels
-            by_pair = np.stack([~wrong[groups == g] for g in sorted(set(groups))])
-            missed = {g: int(n) for g in sorted(set(groups))
-                      if (n := wrong[groups == g].sum())}
-            out.append((d, regime, 1 - wrong.mean(), pair_interval(by_pair),
-                        ", ".join(f"{pairs[g]} ({n}/4)" for g, n in missed.items()) or "-"))
+            right = np.stack([~wrong[groups == g] for g in order])  # [pairs, 4]
+            missed = ", ".join(f"{pairs[g]} ({n}/4)" for g, n in
+                               zip(order, (~right).sum(axis=1), strict=True) if n)
+            out.append((d, regime, 1 - wrong.mean(), pair_interval(right), missed or "-"))
     return out
 
 

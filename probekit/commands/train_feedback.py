@@ -9,7 +9,12 @@ import time
 from typing import Annotated
 
 from probekit.commands.common import FLAT, ModelFlags, RunFlags, UsageError, say, set_threads
-from probekit.training.config import DataConfig, OrganismConfig, TrainConfig
+from probekit.training.config import (
+    DataConfig,
+    OrganismConfig,
+    TrainConfig,
+    check_rows_fill_a_batch,
+)
 from probekit.validation import check_fields
 
 
@@ -33,9 +38,7 @@ class Config:
         if train.mode == "gate" and self.data.long_rows != 1:
             raise UsageError("--long-rows weights the organism's task rows; the gate trains "
                              "on Wikipedia windows: drop it or use --mode organism")
-        if train.mode == "organism" and self.data.n_examples < train.batch_size:
-            raise UsageError(f"--n-examples must be >= --batch-size ({train.batch_size}); "
-                             f"got {self.data.n_examples}")
+        check_rows_fill_a_batch(self.data, train)
 
 
 def run(config: Config) -> int:

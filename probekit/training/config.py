@@ -200,3 +200,12 @@ class DataConfig:
                              "registers)")
         if self.n_examples < 1:
             raise ValueError(f"--n-examples must be >= 1; got {self.n_examples}")
+
+
+def check_rows_fill_a_batch(data: DataConfig, train: TrainConfig) -> None:
+    """Refuse an organism training with fewer task rows (``--n-examples``) than one batch:
+    the one check of it, for ``probekit train-feedback`` and every organism recipe."""
+    train = train.resolved()
+    if train.mode == "organism" and data.n_examples < train.batch_size:
+        raise ValueError(f"--n-examples must be >= --batch-size ({train.batch_size}); "
+                         f"got {data.n_examples}")

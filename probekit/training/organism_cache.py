@@ -36,7 +36,12 @@ import torch
 from probekit.core import model_cache
 from probekit.paths import cache_dir
 from probekit.runs import config_hash, holding, identity, machine, versions
-from probekit.training.config import DataConfig, OrganismConfig, TrainConfig
+from probekit.training.config import (
+    DataConfig,
+    OrganismConfig,
+    TrainConfig,
+    check_rows_fill_a_batch,
+)
 from probekit.training.train import final_validation, training_seconds
 
 #: Bumped when a change to probekit's training code changes what a recipe trains.
@@ -56,9 +61,7 @@ class Recipe:
         if self.train.mode != "organism":
             raise ValueError(f"an organism recipe trains in organism mode, not {self.train.mode}")
         object.__setattr__(self, "train", self.train.resolved())
-        if self.data.n_examples < self.train.batch_size:  # as train-feedback refuses it
-            raise ValueError(f"--n-examples must be >= --batch-size ({self.train.batch_size}); "
-                             f"got {self.data.n_examples}")
+        check_rows_fill_a_batch(self.data, self.train)
 
     @classmethod
     def default(cls, seed: int = 0, tasks: tuple[str, ...] | None = None,
