@@ -11,6 +11,7 @@ organism trained with a non-default schedule, fed-back state or task mix.
     python experiments/organism_checkpoint.py --seed 0 --copy-rows 0.25 --n-examples 48000
     python experiments/organism_checkpoint.py --seed 0 --copy-rows 0.25 --long-rows 4
     python experiments/organism_checkpoint.py --seed 4 --copy-rows 0.5 --copy-from 0
+    python experiments/organism_checkpoint.py --seed 0 --copy-rows 0.25 --ahead-loss 1
     python experiments/organism_checkpoint.py --seed 0 --feed residual
     python experiments/organism_checkpoint.py --seed 0 --tasks registers
     python experiments/organism_checkpoint.py --seed 0 --tasks registers --d-model 256 \
@@ -48,6 +49,8 @@ class Args:
     """first step with feedback passes (default: the recipe's 600)"""
     fixed_point: float | None = None
     """share of feedback batches fed the exact full-recurrence state (default: the recipe's 0)"""
+    ahead_loss: float | None = None
+    """weight of the loss that predicts the token two ahead (default: the recipe's 0)"""
     feed: Literal["normed", "residual"] = "normed"
     """which top state is fed back"""
     tasks: tuple[Literal["completion", "memory", "registers"], ...] | None = None
@@ -66,7 +69,7 @@ class Args:
 
 #: Training flags that override the default recipe only when given.
 OVERRIDES = ("schedule", "steps", "lr", "lr_floor", "weight_decay", "feedback_start",
-             "fixed_point")
+             "fixed_point", "ahead_loss")
 
 
 def recipe_of(args: Args) -> Recipe:

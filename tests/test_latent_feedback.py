@@ -4,6 +4,7 @@ probekit.mechanisms.generation, probekit.training). Tiny random Llamas; seconds 
 import dataclasses
 import math
 import os
+from functools import partial
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -25,6 +26,7 @@ from probekit.training.checkpoint import load_checkpoint, save_checkpoint
 from probekit.training.config import OrganismConfig, TrainConfig
 from probekit.training.data import TrainData, pad_batch
 from probekit.training.objective import (
+    ahead_loss,
     answer_weights,
     evaluate,
     fixed_point_loss,
@@ -33,7 +35,7 @@ from probekit.training.objective import (
     token_loss,
 )
 from probekit.training.organism import new_organism
-from probekit.training.train import train
+from probekit.training.train import ahead_head, train
 
 torch.set_num_threads(1)
 ATOL = 3e-5  # float32: cached, parallel and uncached paths sum in different orders
@@ -360,6 +362,85 @@ def test_answer_weights_weight_each_rows_last_target():
     assert torch.equal(answer_weights(valid, 1.0), valid.float())
 
 
+def test_ahead_loss_predicts_two_tokens_ahead_with_their_weights(tiny_model):
+    """The --ahead-loss head reads position t's normed top state and predicts the token at
+    t + 2, weighted as that token is as a next-token target (a loop-by-hand reference)."""
+    hf = tiny_model.hf_model
+    ids = random_ids(2, 9, seed=13)
+    valid = torch.rand(2, 8, generator=torch.Generator().manual_seed(1))
+    valid[1, 5:] = 0  # padding: its targets weigh nothing
+    head = torch.nn.Linear(tiny_model.d_model, hf.config.vocab_size, bias=False)
+    normed = torch.randn(2, 9, tiny_model.d_model)
+    num = den = 0.0
+    for b in range(2):
+        for t in range(7):  # position t predicts ids[t + 2], whose weight is valid[t + 1]
+            logp = torch.log_softmax(head(normed[b, t]), -1)[ids[b, t + 2]]
+            num, den = num - valid[b, t + 1] * logp, den + valid[b, t + 1]
+    assert torch.allclose(ahead_loss(head, normed, ids, valid), num / den, atol=1e-6)
+
+
+@pytest.mark.parametrize("objective", ["jacobi", "fixed-point"])
+def test_ahead_loss_adds_to_eq_12_and_leaves_the_pass_losses(tiny_model, gate, objective,
+                                                             monkeypatch):
+    """total = Eq. 12 of the next-token losses + W x Eq. 12 of the ahead losses of each
+    pass's normed top state; the per-pass losses returned (and logged) stay the
+    next-token ones."""
+    import probekit.training.objective as objective_module
+
+    hf = tiny_model.hf_model
+    ids = random_ids(2, 8, seed=14)
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    head = ahead_head(hf, seed=0)
+    run = (partial(multipass_loss, hf, gate, ids, valid, 3) if objective == "jacobi"
+           else partial(fixed_point_loss, hf, gate, ids, valid))
+    states, aheads = [], []
+
+    def spy(head_, normed, ids_, valid_):
+        states.append(normed)
+        aheads.append(ahead_loss(head_, normed, ids_, valid_))
+        return aheads[-1]
+
+    monkeypatch.setattr(objective_module, "ahead_loss", spy)
+    with torch.no_grad():
+        plain_total, plain_losses, logits = run(lam=0.5, return_logits=True)
+        assert not states  # no head, no ahead loss
+        total, losses, _ = run(lam=0.5, ahead_head=head, ahead=2.0)
+    assert all(torch.equal(a, b) for a, b in zip(losses, plain_losses, strict=True))
+    assert len(states) == len(logits)  # one per pass, each that pass's normed top state
+    for state, lg in zip(states, logits, strict=True):
+        assert torch.allclose(hf.lm_head(state), lg, atol=1e-6)
+    want = aheads[0] + 0.5 / (len(aheads) - 1) * sum(aheads[1:])
+    assert torch.allclose(total - plain_total, 2.0 * want, atol=1e-5)
+
+
+def test_ahead_loss_trains_resumes_exactly_and_saves_its_head(tmp_path):
+    """An organism trained with --ahead-loss resumes to the same weights (the head's too,
+    kept in model.safetensors beside the gate), and the head's loss falls."""
+    from safetensors.torch import load_file
+
+    kw = dict(mode="organism", batch_size=8, lr=1e-2, warmup=2, eval_every=0, save_every=3,
+              answer_weight=1.0, feedback_start=2, fixed_point=0.3, ahead_loss=1.0)
+    model, gate, data = _tiny_organism_and_data()
+    train(model, gate, data, TrainConfig(steps=6, **kw), tmp_path / "a", progress=False)
+    model_b, gate_b, _ = _tiny_organism_and_data()
+    train(model_b, gate_b, data, TrainConfig(steps=3, **kw), tmp_path / "b", progress=False)
+    model_c, gate_c, _ = _tiny_organism_and_data()  # fresh weights: resuming restores all
+    train(model_c, gate_c, data, TrainConfig(steps=6, **kw), tmp_path / "b", progress=False)
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in "ab")
+    assert set(a) == set(b) and "ahead.weight" in a
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    for x, y in zip(model.hf_model.parameters(), model_c.hf_model.parameters(), strict=True):
+        assert torch.allclose(x, y, atol=1e-6)
+    # the head learns: on these rows the label is two tokens after "state:"
+    head = ahead_head(model.hf_model, seed=0)
+    head.load_state_dict({"weight": a["ahead.weight"]})
+    ids, valid = data.val[0]
+    with torch.no_grad():
+        normed = model.hf_model.model(input_ids=ids).last_hidden_state
+        fresh = ahead_loss(ahead_head(model.hf_model, seed=0), normed, ids, valid)
+        assert ahead_loss(head, normed, ids, valid) < fresh - 0.5
+
+
 def _byte_data(seq=24, n=64, seed=0):
     """Text the tiny byte-level model can learn quickly: a repeated phrase."""
     text = ("the cat sat on the mat. " * 40).encode()
@@ -566,6 +647,13 @@ def test_train_config_validation():
         TrainConfig(mixin=2.0)
     with pytest.raises(ValueError, match=r"^--lr-floor must lie in \[0, 1\]; got -0.1$"):
         TrainConfig(lr_floor=-0.1)
+    with pytest.raises(ValueError, match=r"^--ahead-loss must be a finite number >= 0; got -1.0$"):
+        TrainConfig(mode="organism", ahead_loss=-1.0)
+    with pytest.raises(ValueError, match=r"^--ahead-loss must be a finite number >= 0; got inf$"):
+        TrainConfig(mode="organism", ahead_loss=math.inf)
+    with pytest.raises(ValueError, match=(r"^--ahead-loss trains the organism's top states to "
+                                          r"predict two tokens ahead; it needs --mode organism$")):
+        TrainConfig(mode="gate", ahead_loss=1.0)
     assert TrainConfig(schedule=[0.5, 0.5]).max_passes == 2
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 import warnings
 from importlib import metadata
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -208,6 +210,18 @@ def test_the_default_recipe_takes_a_row_count_that_keys_its_organisms():
     with pytest.raises(ValueError) as err:
         Recipe.default(0, n_examples=63)
     assert str(err.value) == "--n-examples must be >= --batch-size (64); got 63"
+
+
+def test_ahead_loss_keys_only_the_recipes_that_use_it():
+    """organism_checkpoint.py --ahead-loss W is a TrainConfig override: 0 keeps the default
+    key (and every cached organism); any other weight is another organism."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    from organism_checkpoint import Args, recipe_of
+
+    assert recipe_of(Args(seed=0, ahead_loss=0.0)).key() == "fbbf51d681"
+    ahead = recipe_of(Args(seed=0, ahead_loss=1.0))
+    assert ahead.train.ahead_loss == 1.0 and ahead.key() != "fbbf51d681"
+    assert recipe_of(Args(seed=0)).train.ahead_loss == 0.0
 
 
 def test_seal_records_every_file_and_problem_finds_a_missing_one(tmp_path):

@@ -6,7 +6,8 @@ A checkpoint is a folder (``<run>/checkpoint/`` of ``probekit train-feedback``):
                            d_model, n_blocks, source), the gate (d_model, feed: which top
                            state it feeds back; absent in older checkpoints = "normed"),
                            the resolved TrainConfig, the organism shape, AdamW's param groups
-    model.safetensors      the gate (``gate.*``)
+    model.safetensors      the gate (``gate.*``) and, with ``--ahead-loss``, the training-only
+                           head of that loss (``ahead.*``)
     optimizer.safetensors  AdamW moments (for resuming)
     history.json           per-step losses and validations
     organism/              organism mode: an ordinary Hugging Face folder (load_model reads it)
@@ -100,7 +101,8 @@ def _save_organism(folder: Path, model, step: int) -> None:
 
 def save_checkpoint(folder: str | Path, *, gate: FeedbackGate, model, config: TrainConfig,
                     step: int, optimizer: torch.optim.Optimizer | None = None,
-                    history: list | None = None, organism_config: dict | None = None) -> Path:
+                    history: list | None = None, organism_config: dict | None = None,
+                    ahead: torch.nn.Module | None = None) -> Path:
     """Write a checkpoint folder (module docstring). Files are replaced one by one
     atomically, ``config.json`` last, so a reader never sees a newer config than weights."""
     folder = Path(folder)
@@ -111,8 +113,10 @@ def save_checkpoint(folder: str | Path, *, gate: FeedbackGate, model, config: Tr
     folder.mkdir(parents=True, exist_ok=True)
     if config.mode == "organism":
         _save_organism(folder, model, step)
-    _write_safetensors(folder / "model.safetensors",
-                       {f"gate.{k}": v for k, v in gate.state_dict().items()}, step)
+    tensors = {f"gate.{k}": v for k, v in gate.state_dict().items()}
+    if ahead is not None:
+        tensors.update({f"ahead.{k}": v for k, v in ahead.state_dict().items()})
+    _write_safetensors(folder / "model.safetensors", tensors, step)
     groups: list = []
     if optimizer is not None:
         tensors, groups = _optimizer_tensors(optimizer)
@@ -283,9 +287,10 @@ def load_checkpoint(path: str | Path, model=None) -> FeedbackCheckpoint:
 
 
 def restore_training(path: str | Path, *, gate: FeedbackGate, model, config: TrainConfig,
-                     optimizer: torch.optim.Optimizer) -> tuple[int, list[dict]]:
-    """Load a checkpoint's gate, organism weights (organism mode) and optimizer state in
-    place, to resume training; returns ``(step, history)``."""
+                     optimizer: torch.optim.Optimizer,
+                     ahead: torch.nn.Module | None = None) -> tuple[int, list[dict]]:
+    """Load a checkpoint's gate, organism weights (organism mode), ``--ahead-loss`` head
+    and optimizer state in place, to resume training; returns ``(step, history)``."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -297,6 +302,14 @@ def restore_training(path: str | Path, *, gate: FeedbackGate, model, config: Tra
                          f"not {gate.feed}; use --feed {gate_feed(cfg)} or another run dir")
     history = _read_history(path)
     _load_gate(gate, path)
+    if ahead is not None:
+        weights = load_file(str(path / "model.safetensors"))
+        try:
+            ahead.load_state_dict({k[len("ahead."):]: v for k, v in weights.items()
+                                   if k.startswith("ahead.")})
+        except RuntimeError as e:
+            raise ValueError(f"{path / 'model.safetensors'} does not hold the --ahead-loss "
+                             f"head ({str(e).splitlines()[0]}); {DAMAGED}") from None
     if config.mode == "organism":
         own = load_file(str(path / "organism" / "model.safetensors"))
         missing, unexpected = model.hf_model.load_state_dict(own, strict=False)

@@ -67,6 +67,9 @@ class TrainConfig:
     fixed_point: float = added_later(0.0)
     """probability that a batch after --feedback-start feeds back the exact full-recurrence
     state (token by token, no gradient) through one pass instead of Jacobi passes"""
+    ahead_loss: float = added_later(0.0)
+    """organism mode: weight of a second head's loss that predicts, from each position's
+    top state, the token two ahead (multi-token prediction; 0: none)"""
     grad_clip: float = 1.0
     """gradient-norm clip (0: none)"""
     answer_weight: float | None = None
@@ -125,6 +128,11 @@ def _validate(c: TrainConfig) -> None:
     for name in ("lam", "weight_decay", "grad_clip", "jitter"):
         if not getattr(c, name) >= 0:  # NaN too
             raise ValueError(f"--{_flag(name)} must be >= 0; got {getattr(c, name)}")
+    if not 0 <= c.ahead_loss < math.inf:  # NaN fails too
+        raise ValueError(f"--ahead-loss must be a finite number >= 0; got {c.ahead_loss}")
+    if c.ahead_loss and c.mode != "organism":
+        raise ValueError("--ahead-loss trains the organism's top states to predict two "
+                         "tokens ahead; it needs --mode organism")
     if not c.answer_weight > 0:
         raise ValueError(f"--answer-weight must be > 0; got {c.answer_weight}")
     for name in ("mixin", "fixed_point", "lr_floor"):

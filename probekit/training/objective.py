@@ -11,6 +11,12 @@ One training step (App. C, Fig. 9) on a batch of token ids ``x`` ``[B, T]``::
         h(k) = model(u)
     loss = NTP(h(1)) + lambda / (K-1) * sum_k NTP(h(k))  # Eq. 12
 
+With ``--ahead-loss W`` (organism mode) each pass adds ``W`` times :func:`ahead_loss`: a
+linear head on the normed top state of position ``t`` predicts the token at ``t + 2``,
+weighted as that token's next-token target is (the label word 20x), and combined over
+passes as Eq. 12 combines the next-token losses. The logged per-pass losses stay the
+next-token ones.
+
 ``h`` is the top state the gate feeds back, on the side of the final norm that
 ``gate.feed`` names (:mod:`probekit.mechanisms.latent_feedback`): the model's output for
 ``"normed"``, the input of its final norm (a hook) for ``"residual"``; the losses always
@@ -63,6 +69,24 @@ def answer_weights(valid: Tensor, weight: float) -> Tensor:
     return w
 
 
+def ahead_loss(head: torch.nn.Module, normed: Tensor, ids: Tensor, valid: Tensor) -> Tensor:
+    """Multi-token prediction one step further (Gloeckle et al. 2024, "Better & faster
+    large language models via multi-token prediction"): ``head`` reads the normed top
+    state of each position ``t`` and predicts ``ids[t + 2]``, weighted by ``valid[:, 1:]``
+    (the weight of that token as a next-token target). On a task row the token before
+    the final colon must then predict the label, so its top state -- the one feedback
+    carries into the colon -- has to hold the answer."""
+    return token_loss(head(normed[:, :-1]), ids[:, 1:], valid[:, 1:])
+
+
+def _combine(losses: list[Tensor], lam: float) -> Tensor:
+    """Eq. 12: the first pass's loss plus ``lam`` times the mean of the others."""
+    total = losses[0]
+    if len(losses) > 1:
+        total = total + lam / (len(losses) - 1) * sum(losses[1:])
+    return total
+
+
 def fused_input(gate: FeedbackGate, h: Tensor, e: Tensor, *, mixin: float = 0.0,
                 jitter: float = 0.0, generator: torch.Generator | None = None) -> Tensor:
     """The input of the next pass from the fed-back states ``h`` ``[B, T, D]`` of this
@@ -96,6 +120,8 @@ def multipass_loss(
     generator: torch.Generator | None = None,
     first_pass_grad: bool = True,
     return_logits: bool = False,
+    ahead_head: torch.nn.Module | None = None,
+    ahead: float = 0.0,
 ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     """Eq. 12 on one batch (module docstring).
 
@@ -104,14 +130,16 @@ def multipass_loss(
         valid: ``[B, T-1]`` bool (which next-token targets count) or float weights.
         n_passes: ``K``.
         first_pass_grad: False when nothing trainable feeds pass 1 (gate mode).
+        ahead_head, ahead: the head of :func:`ahead_loss` and its weight in ``total``.
 
     Returns:
-        ``(total, per-pass losses, per-pass logits if return_logits else [])``.
+        ``(total, per-pass next-token losses, per-pass logits if return_logits else [])``.
     """
     inner = hf_model.model
     e = inner.embed_tokens(ids)
     x = e
     losses: list[Tensor] = []
+    aheads: list[Tensor] = []
     all_logits: list[Tensor] = []
     residual = gate.feed == "residual"
     with final_norm_inputs(hf_model) if residual else contextlib.nullcontext() as tops:
@@ -121,15 +149,17 @@ def multipass_loss(
                 normed = inner(inputs_embeds=x, use_cache=False).last_hidden_state
                 logits = hf_model.lm_head(normed)
                 losses.append(token_loss(logits, ids, valid))
+                if ahead:
+                    aheads.append(ahead_loss(ahead_head, normed, ids, valid))
             if return_logits:
                 all_logits.append(logits)
             if k == n_passes - 1:
                 break
             h = tops.pop() if residual else normed  # the fed-back state (gate.feed)
             x = fused_input(gate, h, e, mixin=mixin, jitter=jitter, generator=generator)
-    total = losses[0]
-    if n_passes > 1:
-        total = total + lam / (n_passes - 1) * sum(losses[1:])
+    total = _combine(losses, lam)
+    if ahead:
+        total = total + ahead * _combine(aheads, lam)
     return total, losses, all_logits
 
 
@@ -162,6 +192,8 @@ def fixed_point_loss(
     jitter: float = 0.0,
     generator: torch.Generator | None = None,
     return_logits: bool = False,
+    ahead_head: torch.nn.Module | None = None,
+    ahead: float = 0.0,
 ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     """Eq. 12 with ``K = 2`` where pass 2 is fed the exact state of full recurrent prefill
     (:func:`full_recurrence_states`, no gradient) instead of pass 1's: the one-step,
@@ -171,12 +203,17 @@ def fixed_point_loss(
     Same arguments and returns as :func:`multipass_loss` (the organism mode's twin)."""
     inner = hf_model.model
     e = inner.embed_tokens(ids)
-    plain = hf_model.lm_head(inner(inputs_embeds=e, use_cache=False).last_hidden_state)
+    states = [inner(inputs_embeds=e, use_cache=False).last_hidden_state]
     h = full_recurrence_states(hf_model, gate, e.detach())
     x = fused_input(gate, h, e, mixin=mixin, jitter=jitter, generator=generator)
-    fed = hf_model.lm_head(inner(inputs_embeds=x, use_cache=False).last_hidden_state)
-    losses = [token_loss(plain, ids, valid), token_loss(fed, ids, valid)]
-    return losses[0] + lam * losses[1], losses, [plain, fed] if return_logits else []
+    states.append(inner(inputs_embeds=x, use_cache=False).last_hidden_state)
+    logits = [hf_model.lm_head(s) for s in states]
+    losses = [token_loss(lg, ids, valid) for lg in logits]
+    total = _combine(losses, lam)
+    if ahead:
+        total = total + ahead * _combine([ahead_loss(ahead_head, s, ids, valid)
+                                          for s in states], lam)
+    return total, losses, logits if return_logits else []
 
 
 @torch.no_grad()

@@ -66,6 +66,17 @@ def lr_at(step: int, config: TrainConfig) -> float:
     return warmup_cosine(step, config.lr, config.warmup, config.steps, config.lr_floor)
 
 
+def ahead_head(hf_model, seed: int) -> torch.nn.Linear:
+    """The head of ``--ahead-loss`` (:func:`probekit.training.objective.ahead_loss`): a
+    linear map from the top state to the vocabulary, initialised like the organism's
+    weights (normal, std 0.02) from its own generator, so that it leaves every other
+    random stream of the training alone. It is used in training only."""
+    head = torch.nn.Linear(hf_model.config.hidden_size, hf_model.config.vocab_size, bias=False)
+    with torch.no_grad():
+        head.weight.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(seed + 7919))
+    return head
+
+
 def make_optimizer(params: list[tuple[str, torch.nn.Parameter]],
                    config: TrainConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only."""
@@ -118,11 +129,14 @@ def train(
         trainable += [(f"model.{n}", p) for n, p in hf.named_parameters()]
     else:
         hf.requires_grad_(False)
+    head = ahead_head(hf, config.seed) if config.ahead_loss else None
+    if head is not None:
+        trainable += [(f"ahead.{n}", p) for n, p in head.named_parameters()]
     opt = make_optimizer(trainable, config)
     start, history = 0, []
     if (ckpt / "config.json").is_file():
         start, history = restore_training(ckpt, gate=gate, model=model, config=config,
-                                          optimizer=opt)
+                                          optimizer=opt, ahead=head)
         log(f"resuming from {ckpt} at step {start}")
 
     if start == 0 and config.eval_every:  # where training starts from, for the curves
@@ -143,7 +157,8 @@ def train(
         for group in opt.param_groups:
             group["lr"] = lr
         weights = answer_weights(valid, config.answer_weight)
-        kw = dict(lam=config.lam, mixin=config.mixin, jitter=config.jitter, generator=g)
+        kw = dict(lam=config.lam, mixin=config.mixin, jitter=config.jitter, generator=g,
+                  ahead_head=head, ahead=config.ahead_loss)
         if fixed:
             K = "full"
             total, losses, _ = fixed_point_loss(hf, gate, ids, weights, **kw)
@@ -170,7 +185,8 @@ def train(
         bar.set_postfix(loss=f"{total.item():.3f}", K=K)
         if (step + 1) % config.save_every == 0 or done:
             save_checkpoint(ckpt, gate=gate, model=model, config=config, step=step + 1,
-                            optimizer=opt, history=history, organism_config=organism_config)
+                            optimizer=opt, history=history, organism_config=organism_config,
+                            ahead=head)
     bar.close()
     hf.eval()
     gate.eval()
