@@ -441,6 +441,23 @@ def test_ahead_loss_trains_resumes_exactly_and_saves_its_head(tmp_path):
         assert ahead_loss(head, normed, ids, valid) < fresh - 0.5
 
 
+def test_resuming_with_ahead_loss_needs_the_head_in_the_checkpoint(tmp_path):
+    """A checkpoint trained without --ahead-loss holds no head: resuming it with the loss
+    is refused with one line naming the file, not a state-dict traceback."""
+    kw = dict(mode="organism", batch_size=8, lr=1e-2, warmup=2, eval_every=0, save_every=2,
+              answer_weight=1.0, feedback_start=2)
+    model, gate, data = _tiny_organism_and_data()
+    train(model, gate, data, TrainConfig(steps=2, **kw), tmp_path / "ck", progress=False)
+    with pytest.raises(ValueError) as err:
+        train(model, gate, data, TrainConfig(steps=4, ahead_loss=1.0, **kw), tmp_path / "ck",
+              progress=False)
+    assert str(err.value).startswith(
+        f"{tmp_path / 'ck' / 'model.safetensors'} does not hold the --ahead-loss head "
+        f"(Error(s) in loading state_dict for Linear:")
+    assert str(err.value).endswith("; the checkpoint is damaged: restore it or train it again")
+    assert "\n" not in str(err.value)
+
+
 def _byte_data(seq=24, n=64, seed=0):
     """Text the tiny byte-level model can learn quickly: a repeated phrase."""
     text = ("the cat sat on the mat. " * 40).encode()

@@ -238,21 +238,25 @@ def check_model_matches(cfg: dict, model, path: Path) -> None:
         )
 
 
-def _gate_weights(path: Path) -> dict[str, Tensor]:
+def _load_part(module: torch.nn.Module, path: Path, prefix: str, what: str) -> None:
+    """The ``prefix``-named tensors of the checkpoint's ``model.safetensors`` into
+    ``module`` (ValueError naming the file if they do not fit it): the gate
+    (``gate.``), and the ``--ahead-loss`` head (``ahead.``) when training resumes."""
     from safetensors.torch import load_file
 
     weights = load_file(str(path / "model.safetensors"))
-    return {k[len("gate."):]: v for k, v in weights.items() if k.startswith("gate.")}
+    try:
+        module.load_state_dict({k[len(prefix):]: v for k, v in weights.items()
+                                if k.startswith(prefix)})
+    except RuntimeError as e:  # missing, unexpected or misshapen tensors
+        raise ValueError(f"{path / 'model.safetensors'} does not hold {what} "
+                         f"({str(e).splitlines()[0]}); {DAMAGED}") from None
 
 
 def _load_gate(gate: FeedbackGate, path: Path) -> None:
     """The checkpoint's gate weights into ``gate`` (ValueError naming the file if they
     are not a gate of this size)."""
-    try:
-        gate.load_state_dict(_gate_weights(path))
-    except RuntimeError as e:  # missing, unexpected or misshapen tensors
-        raise ValueError(f"{path / 'model.safetensors'} does not hold this checkpoint's gate "
-                         f"({str(e).splitlines()[0]}); {DAMAGED}") from None
+    _load_part(gate, path, "gate.", "this checkpoint's gate")
 
 
 def load_checkpoint(path: str | Path, model=None) -> FeedbackCheckpoint:
@@ -303,13 +307,7 @@ def restore_training(path: str | Path, *, gate: FeedbackGate, model, config: Tra
     history = _read_history(path)
     _load_gate(gate, path)
     if ahead is not None:
-        weights = load_file(str(path / "model.safetensors"))
-        try:
-            ahead.load_state_dict({k[len("ahead."):]: v for k, v in weights.items()
-                                   if k.startswith("ahead.")})
-        except RuntimeError as e:
-            raise ValueError(f"{path / 'model.safetensors'} does not hold the --ahead-loss "
-                             f"head ({str(e).splitlines()[0]}); {DAMAGED}") from None
+        _load_part(ahead, path, "ahead.", "the --ahead-loss head")
     if config.mode == "organism":
         own = load_file(str(path / "organism" / "model.safetensors"))
         missing, unexpected = model.hf_model.load_state_dict(own, strict=False)
