@@ -7,7 +7,7 @@ The organisms are the ones the runs used (each run's summary names its checkpoin
 cache folder holds the training record), so a figure of another recipe's organisms says
 which recipe it shows: the fields where it differs from the default recipe.
 
-    python experiments/fig7a.py runs/latent-feedback-fig7a --counts 0 8 32 128 256 --seeds 0 1 3
+    python experiments/fig7a.py runs/latent-feedback-fig7a --counts 0 8 32 128 256 --seeds 0 1 2 3
 """
 
 from __future__ import annotations
@@ -100,13 +100,17 @@ def collect(args: Args) -> dict[str, Any]:
                     raise Fig7aError(f"{run}/summary.json: cannot read it ({e}); run "
                                      f"experiments/latent_feedback_organism.sh with the "
                                      f"same SEEDS and COUNTS first") from None
+                if "compute_seconds" not in summary:  # a summary from before that field
+                    raise Fig7aError(f"{run}/summary.json: written by an older probekit; "
+                                     f"rerun experiments/latent_feedback_organism.sh with the "
+                                     f"same SEEDS and COUNTS (its finished parts are reused)")
                 folder, records[s] = organism_of(run, summary)
                 folders[s].add(folder)
                 runs[f"latent-feedback-seed{s}"] = summary
             m = combine_runs(runs)["mechanisms"]["latent-feedback"]
             (entry,) = m["datasets"].values()
             table.setdefault(task, {})[d] = entry["regimes"]
-            seconds.setdefault(task, {})[d] = m["wall_seconds"]
+            seconds.setdefault(task, {})[d] = m["compute_seconds"]
     for s, found in folders.items():
         if len(found) > 1:
             raise Fig7aError(f"seed {s}'s runs used {len(found)} organisms "
@@ -136,7 +140,7 @@ def collect(args: Args) -> dict[str, Any]:
         }
     return {"seeds": list(args.seeds), "counts": list(args.counts),
             "recipe_changes": changes[args.seeds[0]], "organisms": organisms,
-            "verdicts": verdicts, "wall_seconds": seconds, "results": table}
+            "verdicts": verdicts, "compute_seconds": seconds, "results": table}
 
 
 def _describe(changes: dict[str, Any]) -> str:

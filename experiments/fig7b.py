@@ -45,8 +45,18 @@ def main() -> int:
         return script_error("fig7b", str(err))
     combined = {}
     for sweep in SWEEPS:
-        runs = {f"latent-feedback-seed{s}": json.loads(
-            (args.run / f"seed{s}" / sweep / "summary.json").read_text()) for s in args.seeds}
+        runs = {}
+        for s in args.seeds:
+            path = args.run / f"seed{s}" / sweep / "summary.json"
+            try:
+                runs[f"latent-feedback-seed{s}"] = summary = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                return script_error("fig7b", f"{path}: cannot read it ({e}); run "
+                                    f"experiments/latent_feedback_registers.sh first")
+            if "compute_seconds" not in summary:  # a summary from before that field
+                return script_error("fig7b", f"{path}: written by an older probekit; rerun "
+                                    f"experiments/latent_feedback_registers.sh (its finished "
+                                    f"parts are reused)")
         combined[sweep] = combine_runs(runs)["mechanisms"]["latent-feedback"]
     claims = _claims(combined)
     organisms = {s: {k: sealed(Recipe.default(s, tasks=args.tasks, shape=args.shape,
@@ -55,7 +65,7 @@ def main() -> int:
     out = {"seeds": list(args.seeds), "shape": dataclasses.asdict(args.shape),
            "organisms": organisms, "claims": claims,
            "results": {sweep: c["datasets"] for sweep, c in combined.items()},
-           "wall_seconds": {sweep: c["wall_seconds"] for sweep, c in combined.items()}}
+           "compute_seconds": {sweep: c["compute_seconds"] for sweep, c in combined.items()}}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "latent-feedback-fig7b.json").write_text(json.dumps(out, indent=1))
     _plot(combined, len(args.seeds)).savefig(args.out / "latent-feedback-fig7b.png", dpi=120)

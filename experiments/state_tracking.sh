@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The headline command (latent-feedback paper Sec. 4.4, Fig. 7, App. F): latent feedback
-# on probekit's organism (seed 0, trained into the cache on first use) beside
+# on probekit's headline organism (seed 0, trained into the cache on first use) beside
 # recirculation on the default model, completion tracking and delayed memory, standard vs
 # full recurrent prefill. Regenerates figures/headline-{completion,memory}.png and
 # figures/headline.json (every number, the patching statistics included) and the

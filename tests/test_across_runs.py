@@ -18,6 +18,7 @@ def summary(acc_none, acc_full, model_acc=0.9, chance=0.5, causal=None):
                 "model_accuracy": model_acc, "causal": causal}
 
     return {"mechanism": {"mechanism": "latent-feedback"}, "notes": [], "wall_seconds": 2.0,
+            "compute_seconds": 3.0,
             "model": {"name": "organism", "n_blocks": len(acc_none) - 1},
             "datasets": {"memory": {"task": "memory", "title": "memory", "condition": {},
                                     "n_examples": 64, "n_groups": 32, "lengths": [20],
@@ -41,7 +42,7 @@ def test_runs_of_one_mechanism_combine_into_mean_std_min_max():
     assert (full["probe_min"], full["probe_max"]) == ([0.96, 0.9, 0.7], [1.0, 0.9, 0.9])
     assert full["model_accuracy_per_run"] == [0.8, 1.0] and full["model_accuracy_min"] == 0.8
     assert full["causal_per_run"] == [{"a": 1}, None]
-    assert lf["wall_seconds"] == 4.0
+    assert (lf["wall_seconds"], lf["compute_seconds"]) == (4.0, 6.0)
     one = out["mechanisms"]["recirculation"]["datasets"]["memory"]["regimes"]["none"]
     assert one["probe_spread"] == [0.01] * 3 and one["spread_is"] == "std over folds"
     assert out["runs"] is not runs and out["runs"] == runs

@@ -164,8 +164,22 @@ def test_state_tracking_killed_resumes_to_the_uninterrupted_result(work):
     assert 1 <= len(set(recorded(run))) < 4
     assert cli(*STATE, "--run-dir", "r")[0] == 0
     assert cli(*STATE, "--run-dir", "ref")[0] == 0
-    timing = ("wall_seconds", "seconds", "plots")
+    timing = ("wall_seconds", "compute_seconds", "seconds", "plots")
     assert summary(run, timing) == summary(work / "ref", timing)
+
+
+def test_a_resumed_run_reports_the_compute_of_every_invocation_not_only_the_last(work):
+    """``compute_seconds`` sums the units' own recorded times, so a finished run invoked
+    again (nothing left to compute) reports what its parts cost, not the seconds it took."""
+    assert cli(*STATE, "--run-dir", "r")[0] == 0
+    first = summary(work / "r")
+    regimes = [r for d in first["datasets"].values() for r in d["regimes"].values()]
+    assert first["compute_seconds"] == pytest.approx(sum(r["seconds"] for r in regimes))
+    assert first["compute_seconds"] > 0
+    assert cli(*STATE, "--run-dir", "r")[0] == 0  # resumes: every part is on disk
+    again = summary(work / "r")
+    assert again["compute_seconds"] == first["compute_seconds"]
+    assert again["wall_seconds"] != first["wall_seconds"]
 
 
 # --------------------------------------------------------------- edited inputs

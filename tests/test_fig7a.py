@@ -1,6 +1,7 @@
-"""experiments/latent_feedback_organism.sh and fig7a.py (Fig. 7a, docs/latent-feedback.md)
-on another recipe's organisms: the organisms come from the cache under the recipe's
-flags, the figure names the recipe and never overwrites the default one, and input the
+"""experiments/latent_feedback_organism.sh and fig7a.py (Fig. 7a, docs/latent-feedback.md):
+by default the headline recipe's organisms, the ones `probekit run state-tracking` trains;
+on another recipe's organisms the organisms come from the cache under the recipe's
+flags, the figure names the recipe and never overwrites the headline one, and input the
 figure cannot be made from gets a one-line error."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tyro
 
 from probekit.runs import identity
 from probekit.training.config import OrganismConfig
@@ -22,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 from fig7a import recipe_changes  # noqa: E402
 from organism_checkpoint import Args, recipe_of  # noqa: E402
+
+SCRIPT = ROOT / "experiments" / "latent_feedback_organism.sh"
 
 #: A 2-step, 2-block organism: cheap to train, and far from the default recipe.
 RECIPE = "--steps 2 --n-blocks 2 --d-model 32 --n-heads 2 --d-mlp 64"
@@ -33,7 +37,7 @@ def script(tmp: Path, **env: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PROBEKIT_CACHE_DIR": str(tmp / "cache"), "RUN": str(tmp / "run"),
            "OUT": str(tmp / "figures"), "PYTHON": sys.executable,
            "PROBEKIT": str(bin_dir / "probekit"), "OMP_NUM_THREADS": "1", **env}
-    return subprocess.run(["bash", str(ROOT / "experiments" / "latent_feedback_organism.sh")],
+    return subprocess.run(["bash", str(SCRIPT)],
                           env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -50,6 +54,16 @@ def recipe_run(tmp_path_factory):
     done = script(tmp, RECIPE=RECIPE, SEEDS="0", COUNTS="0")
     assert done.returncode == 0, done.stderr[-2000:]
     return tmp, done
+
+
+def test_the_script_by_default_shows_the_organisms_the_headline_command_trains():
+    (line,) = [x for x in SCRIPT.read_text().splitlines() if x.startswith("HEADLINE=")]
+    flags = line.split("=", 1)[1].strip('"').split()
+    for seed in (0, 3):
+        recipe = recipe_of(tyro.cli(Args, args=["--seed", str(seed), *flags]))
+        assert recipe == Recipe.headline(seed)
+        assert recipe.key() == Recipe.headline(seed).key()
+    assert Recipe.headline(0).key() != Recipe.default(0).key()
 
 
 def test_recipe_changes_names_the_fields_that_differ_from_the_default():
@@ -78,6 +92,8 @@ def test_a_recipe_figure_shows_that_recipes_cached_organisms_under_its_own_name(
     assert out["organisms"]["0"]["machine"] == sealed["machine"]  # where it was trained
     summary = json.loads((tmp / "run" / "seed0" / "memory-d0" / "summary.json").read_text())
     assert summary["mechanism"]["checkpoint"] == str(folder / "checkpoint")
+    # the runs' own compute (kept across resumes), not the last invocation's wall time
+    assert out["compute_seconds"]["memory"]["0"] == summary["compute_seconds"] > 0
     assert set(out["results"]) == {"completion", "memory"}
     assert set(out["results"]["memory"]["0"]) == {"none", "last-1", "full"}
     assert "organisms: shape.d_mlp 64, shape.d_model 32, shape.n_blocks 2, shape.n_heads 2, " \
@@ -150,4 +166,14 @@ def test_fig7a_errors_name_the_run_and_say_what_to_do(recipe_run, tmp_path):
     assert done.stderr.strip() == (
         f"fig7a: error: {run}/seed0/memory-d0/summary.json names no latent-feedback "
         f"checkpoint; give the run folder of experiments/latent_feedback_organism.sh")
+
+    old = run / "seed0" / "completion-d0" / "summary.json"  # from before compute_seconds
+    summary = json.loads(old.read_text())
+    del summary["compute_seconds"]
+    old.write_text(json.dumps(summary))
+    done = fig7a(run, out, "--seeds", "0")
+    assert done.stderr.strip() == (
+        f"fig7a: error: {old}: written by an older probekit; rerun "
+        f"experiments/latent_feedback_organism.sh with the same SEEDS and COUNTS (its "
+        f"finished parts are reused)")
     assert not out.exists()

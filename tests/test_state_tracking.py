@@ -343,6 +343,28 @@ def test_latent_feedback_input_is_refused_before_any_training(tmp_path, capsys, 
     assert not run_dir.exists()
 
 
+def test_the_organism_seeds_are_the_headline_recipes(tmp_path, monkeypatch):
+    """Without --checkpoint, latent feedback runs on Recipe.headline's organism of each
+    --organism-seeds seed (the recipe experiments/latent_feedback_organism.sh shows)."""
+    from probekit.training import organism_cache
+
+    asked = []
+
+    class Asked(Exception):
+        pass
+
+    def record(recipe, **kw):
+        asked.append(recipe)
+        raise Asked
+
+    monkeypatch.setattr(organism_cache, "trained_organism", record)
+    monkeypatch.setenv("PROBEKIT_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(Asked):
+        cli("--mechanism", "latent-feedback", "--organism-seeds", "2", *SMALL,
+            "--run-dir", str(tmp_path / "run"))
+    assert asked == [organism_cache.Recipe.headline(2)]
+
+
 def test_a_retrained_checkpoint_with_the_same_weights_reuses_the_run(organism_checkpoint,
                                                                      tmp_path):
     """The run identity reads the gate's and the model's weights, not the checkpoint's

@@ -39,6 +39,7 @@ def _combine(members: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]
         "mechanism": first["mechanism"], "model": first["model"],
         "models": [res["model"] for _, res in members], "notes": first["notes"],
         "wall_seconds": float(sum(res["wall_seconds"] for _, res in members)),
+        "compute_seconds": float(sum(res["compute_seconds"] for _, res in members)),
         "datasets": {},
     }
     for key, entry in first["datasets"].items():

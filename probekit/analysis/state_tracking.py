@@ -312,6 +312,9 @@ def summarize(mechanism: Mechanism, config: StateTrackingConfig, data: Sequence[
                 "seconds": float(sum(float(p["seconds"]) for _, p in batches)),
             }
         out["datasets"][td.key] = entry
+    # the units' own recorded times: unlike wall_seconds, it survives a resume, which
+    # reads finished parts from disk and so spends next to nothing on them
+    out["compute_seconds"] = float(sum(float(parts[key]["seconds"]) for key, _ in units))
     return out
 
 

@@ -30,7 +30,7 @@ class Config:
     checkpoint: Path | None = None
     """latent-feedback checkpoint (default: probekit's organism, trained on first use)"""
     organism_seeds: tuple[int, ...] = (0,)
-    """training seeds of the default organism; several give mean and spread"""
+    """training seeds of probekit's headline organism; several give mean and spread"""
     recirculation: Annotated[RecirculationFlags, FLAT] = RecirculationFlags()
     examples: int | None = None
     """examples per task, sweeps over all conditions (default 128; sweeps 240 and 384)"""
@@ -264,7 +264,8 @@ def _preflight(config: Config):
 
 def _feedback_checkpoints(config: Config) -> list[tuple[int, Path]]:
     """``(seed, checkpoint)`` of each latent-feedback model: ``--checkpoint``, or probekit's
-    organism of every ``--organism-seeds`` seed, trained now if the cache lacks it."""
+    headline organism (:meth:`Recipe.headline`) of every ``--organism-seeds`` seed, trained
+    now if the cache lacks it."""
     from probekit.commands.common import say
     from probekit.training.organism_cache import Recipe, sealed, trained_organism
 
@@ -272,7 +273,7 @@ def _feedback_checkpoints(config: Config) -> list[tuple[int, Path]]:
         return [(0, config.checkpoint)]
     out = []
     for seed in config.organism_seeds:
-        recipe = Recipe.default(seed)
+        recipe = Recipe.headline(seed)
         if sealed(recipe) is None:
             say(f"training probekit's latent-feedback organism (seed {seed}) once; it is "
                 f"cached for later runs (an interrupted training resumes)")
