@@ -20,7 +20,7 @@ from typing import Any
 
 import tyro
 
-from probekit.analysis.across_runs import combine_runs
+from probekit.analysis.across_runs import combine_runs, read_summary
 from probekit.commands.common import script_error
 from probekit.core import model_cache
 from probekit.plots.state_tracking import plot_by_length
@@ -30,6 +30,8 @@ from probekit.training.organism_cache import Recipe
 #: The paper's depth-0 probe accuracy under full recurrent prefill (Sec. 4.4, Fig. 7a).
 PAPER = {"completion": 0.996, "memory": 1.0}
 TASKS = ("completion", "memory")
+#: What writes the run folders this script reads; its errors say to run it.
+PRODUCER = "experiments/latent_feedback_organism.sh with the same SEEDS and COUNTS"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +39,8 @@ class Args:
     run: tyro.conf.Positional[Path]
     """the script's run folder (seed<S>/<task>-d<count>/ per seed, task and length)"""
     counts: tuple[int, ...] = (0, 8, 32, 128, 256)
-    seeds: tuple[int, ...] = (0, 1, 3)
+    seeds: tuple[int, ...] = (0, 1, 2, 3)
+    """the organisms' training seeds (the script's SEEDS)"""
     out: Path = Path("figures")
     name: str = "latent-feedback-fig7a"
     """the figure's and JSON's file name, without suffix"""
@@ -95,15 +98,9 @@ def collect(args: Args) -> dict[str, Any]:
             for s in args.seeds:
                 run = args.run / f"seed{s}" / f"{task}-d{d}"
                 try:
-                    summary = json.loads((run / "summary.json").read_text())
-                except (OSError, ValueError) as e:
-                    raise Fig7aError(f"{run}/summary.json: cannot read it ({e}); run "
-                                     f"experiments/latent_feedback_organism.sh with the "
-                                     f"same SEEDS and COUNTS first") from None
-                if "compute_seconds" not in summary:  # a summary from before that field
-                    raise Fig7aError(f"{run}/summary.json: written by an older probekit; "
-                                     f"rerun experiments/latent_feedback_organism.sh with the "
-                                     f"same SEEDS and COUNTS (its finished parts are reused)")
+                    summary = read_summary(run / "summary.json", PRODUCER)
+                except ValueError as e:
+                    raise Fig7aError(str(e)) from None
                 folder, records[s] = organism_of(run, summary)
                 folders[s].add(folder)
                 runs[f"latent-feedback-seed{s}"] = summary

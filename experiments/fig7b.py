@@ -16,7 +16,7 @@ from typing import Annotated
 import numpy as np
 import tyro
 
-from probekit.analysis.across_runs import combine_runs
+from probekit.analysis.across_runs import combine_runs, read_summary
 from probekit.commands.common import FLAT, script_error
 from probekit.training.config import OrganismConfig
 from probekit.training.organism_cache import Recipe, sealed
@@ -49,14 +49,10 @@ def main() -> int:
         for s in args.seeds:
             path = args.run / f"seed{s}" / sweep / "summary.json"
             try:
-                runs[f"latent-feedback-seed{s}"] = summary = json.loads(path.read_text())
-            except (OSError, ValueError) as e:
-                return script_error("fig7b", f"{path}: cannot read it ({e}); run "
-                                    f"experiments/latent_feedback_registers.sh first")
-            if "compute_seconds" not in summary:  # a summary from before that field
-                return script_error("fig7b", f"{path}: written by an older probekit; rerun "
-                                    f"experiments/latent_feedback_registers.sh (its finished "
-                                    f"parts are reused)")
+                runs[f"latent-feedback-seed{s}"] = read_summary(
+                    path, "experiments/latent_feedback_registers.sh")
+            except ValueError as e:
+                return script_error("fig7b", str(e))
         combined[sweep] = combine_runs(runs)["mechanisms"]["latent-feedback"]
     claims = _claims(combined)
     organisms = {s: {k: sealed(Recipe.default(s, tasks=args.tasks, shape=args.shape,

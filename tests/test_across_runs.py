@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from probekit.analysis.across_runs import combine_runs, mechanism_of
+from probekit.analysis.across_runs import combine_runs, mechanism_of, read_summary
 from probekit.analysis.headline import headline_sentences, headline_table
 
 
@@ -46,6 +46,20 @@ def test_runs_of_one_mechanism_combine_into_mean_std_min_max():
     one = out["mechanisms"]["recirculation"]["datasets"]["memory"]["regimes"]["none"]
     assert one["probe_spread"] == [0.01] * 3 and one["spread_is"] == "std over folds"
     assert out["runs"] is not runs and out["runs"] == runs
+
+
+def test_read_summary_refuses_a_missing_or_old_summary_in_one_line(tmp_path):
+    path = tmp_path / "summary.json"
+    with pytest.raises(ValueError, match=r"^[^\n]*summary.json: cannot read it \(.*\); "
+                                         r"run make-it\.sh first$"):
+        read_summary(path, "make-it.sh")
+    path.write_text('{"wall_seconds": 3.0}')
+    with pytest.raises(ValueError) as err:
+        read_summary(path, "make-it.sh")
+    assert str(err.value) == (f"{path}: written by an older probekit; rerun make-it.sh "
+                              f"(its finished parts are reused)")
+    path.write_text('{"compute_seconds": 2.5}')
+    assert read_summary(path, "make-it.sh") == {"compute_seconds": 2.5}
 
 
 def test_mechanism_of_strips_only_a_seed_suffix():

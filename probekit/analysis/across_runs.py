@@ -11,10 +11,30 @@ organism should hold for every seed, so the min and max are kept, not only the m
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+
+def read_summary(path: Path, producer: str) -> dict[str, Any]:
+    """A run's ``summary.json``, or a one-line ``ValueError`` naming the file and ``producer``.
+
+    ``producer`` is the command that writes the summary ("experiments/x.sh with the same
+    SEEDS"): the error tells the user to run it. A summary without ``compute_seconds`` was
+    written before :func:`combine_runs` could add up a resumed run's compute; rerunning the
+    producer rewrites it and reuses every finished part.
+    """
+    try:
+        summary = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read it ({e}); run {producer} first") from None
+    if "compute_seconds" not in summary:
+        raise ValueError(f"{path}: written by an older probekit; rerun {producer} "
+                         f"(its finished parts are reused)")
+    return summary
 
 
 def mechanism_of(label: str) -> str:
