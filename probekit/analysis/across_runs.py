@@ -7,6 +7,7 @@ and regime, the probe accuracy per depth as the mean over seeds with its spread
 (sample std, min and max; with one seed the spread is the folds' std), the model's
 task accuracy per seed, and the causal patching statistics per seed. A claim about the
 organism should hold for every seed, so the min and max are kept, not only the mean.
+:func:`read_summary` reads one run's summary for it, refusing in one line one it cannot use.
 """
 
 from __future__ import annotations
