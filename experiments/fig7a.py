@@ -7,7 +7,7 @@ The organisms are the ones the runs used (each run's summary names its checkpoin
 cache folder holds the training record), so a figure of another recipe's organisms says
 which recipe it shows: the fields where it differs from the default recipe.
 
-    python experiments/fig7a.py runs/latent-feedback-fig7a --counts 0 8 32 128 256 --seeds 0 1 2 3
+    python experiments/fig7a.py runs/latent-feedback-fig7a --counts 0 8 32 128 256 --seeds 0 1 2 3 4
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Args:
     run: tyro.conf.Positional[Path]
     """the script's run folder (seed<S>/<task>-d<count>/ per seed, task and length)"""
     counts: tuple[int, ...] = (0, 8, 32, 128, 256)
-    seeds: tuple[int, ...] = (0, 1, 2, 3)
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
     """the organisms' training seeds (the script's SEEDS)"""
     out: Path = Path("figures")
     name: str = "latent-feedback-fig7a"

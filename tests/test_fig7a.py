@@ -1,8 +1,8 @@
 """experiments/latent_feedback_organism.sh and fig7a.py (Fig. 7a, docs/latent-feedback.md):
-by default the headline recipe's organisms, the ones `probekit run state-tracking` trains;
-on another recipe's organisms the organisms come from the cache under the recipe's
-flags, the figure names the recipe and never overwrites the headline one, and input the
-figure cannot be made from gets a one-line error."""
+by default the long-range recipe's organisms (Recipe.long_range); on another recipe's
+organisms the organisms come from the cache under the recipe's flags, the figure names
+the recipe and never overwrites Fig. 7a's, and input the figure cannot be made from gets
+a one-line error."""
 
 from __future__ import annotations
 
@@ -56,14 +56,38 @@ def recipe_run(tmp_path_factory):
     return tmp, done
 
 
-def test_the_script_by_default_shows_the_organisms_the_headline_command_trains():
+def _first_training(tmp: Path, **env: str) -> list[str]:
+    """The flags the script passes to organism_checkpoint.py first: a stand-in PYTHON
+    records them and fails, which stops the script there."""
+    fake = tmp / "python"
+    fake.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\nexit 3\n')
+    fake.chmod(0o755)
+    done = script(tmp, PYTHON=str(fake), **env)
+    assert done.returncode == 3 and not (tmp / "run").exists()
+    script_path, *flags = (tmp / "args").read_text().split()
+    assert script_path == "experiments/organism_checkpoint.py"
+    return flags
+
+
+def test_the_script_by_default_trains_the_long_range_recipe_on_five_seeds(tmp_path):
+    flags = _first_training(tmp_path)
+    assert flags[:2] == ["--seed", "0"]
+    assert recipe_of(tyro.cli(Args, args=flags)) == Recipe.long_range(0)
+    (line,) = [x for x in SCRIPT.read_text().splitlines() if x.startswith("SEEDS=")]
+    assert line == "SEEDS=${SEEDS:-0 1 2 3 4}"
+    (tmp_path / "args").unlink()
+    assert _first_training(tmp_path, SEEDS="3")[:2] == ["--seed", "3"]
+
+
+def test_the_scripts_headline_flags_make_the_organisms_the_headline_command_trains():
     (line,) = [x for x in SCRIPT.read_text().splitlines() if x.startswith("HEADLINE=")]
     flags = line.split("=", 1)[1].strip('"').split()
     for seed in (0, 3):
         recipe = recipe_of(tyro.cli(Args, args=["--seed", str(seed), *flags]))
         assert recipe == Recipe.headline(seed)
         assert recipe.key() == Recipe.headline(seed).key()
-    assert Recipe.headline(0).key() != Recipe.default(0).key()
+    keys = {Recipe.headline(0).key(), Recipe.long_range(0).key(), Recipe.default(0).key()}
+    assert len(keys) == 3
 
 
 def test_recipe_changes_names_the_fields_that_differ_from_the_default():

@@ -345,7 +345,7 @@ def test_latent_feedback_input_is_refused_before_any_training(tmp_path, capsys, 
 
 def test_the_organism_seeds_are_the_headline_recipes(tmp_path, monkeypatch):
     """Without --checkpoint, latent feedback runs on Recipe.headline's organism of each
-    --organism-seeds seed (the recipe experiments/latent_feedback_organism.sh shows)."""
+    --organism-seeds seed (not Fig. 7a's longer-trained Recipe.long_range)."""
     from probekit.training import organism_cache
 
     asked = []
