@@ -11,12 +11,18 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Literal, get_args
 
 import tyro
 
+from probekit.analysis.across_runs import read_summary
+from probekit.commands.common import script_error
 from probekit.plots.stability import plot_stability_contrast
 from probekit.training.organism_cache import Recipe, sealed
 
+#: What writes the run folders this script reads; its errors say to run it.
+PRODUCER = "experiments/latent_feedback_stability.sh with the same SEED and VARIANTS"
+Variant = Literal["default-75-22-3", "paper-75-25", "schedule-50-35-15", "feed-residual"]
 VARIANTS = {
     "default-75-22-3": ("75/22/3% 1/2/3 passes (default), 2,000 steps", {}),
     "paper-75-25": ("75/25% 1/2 passes, 2,000 steps", {"schedule": (0.75, 0.25)}),
@@ -24,36 +30,24 @@ VARIANTS = {
                           {"schedule": (0.5, 0.35, 0.15), "steps": 4000}),
     "feed-residual": ("default, un-normed residual fed back", {"feed": "residual"}),
 }
+assert set(VARIANTS) == set(get_args(Variant))
 
 
 @dataclasses.dataclass(frozen=True)
 class Args:
     run: tyro.conf.Positional[Path]
     seed: int = 0
-    variants: tuple[str, ...] = tuple(VARIANTS)
+    variants: tuple[Variant, ...] = get_args(Variant)
     """which variants ran (names of VARIANTS)"""
     out: Path = Path("figures")
 
 
 def main() -> int:
     args = tyro.cli(Args)
-    curves, out = {}, {"seed": args.seed, "variants": {}}
-    for name in args.variants:
-        label, recipe_kw = VARIANTS[name]
-        stab = json.loads((args.run / name / "stability" / "summary.json").read_text())
-        st = json.loads((args.run / name / "state-tracking" / "summary.json").read_text())
-        rec = sealed(Recipe.default(args.seed, **recipe_kw))
-        curves[label] = stab
-        probes = {key: {r: {"probe_mean": v["probe"]["accuracy_mean"],
-                            "model_accuracy": v["model_accuracy"], "causal": v["causal"]}
-                        for r, v in e["regimes"].items()}
-                  for key, e in st["datasets"].items()}
-        out["variants"][name] = {
-            "label": label, "stability": stab, "state_tracking": probes,
-            "training": {k: rec[k] for k in ("train_seconds", "task_accuracy",
-                                             "final_val_pass_losses", "steps")},
-            "history_val": [h for h in _history(stab) if "val_pass_losses" in h],
-        }
+    try:
+        out, curves = collect(args)
+    except ValueError as err:
+        return script_error("fig3", str(err))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "latent-feedback-fig3.json").write_text(json.dumps(out, indent=1))
     fig = plot_stability_contrast(curves, f"probekit's organism (seed {args.seed}): 30 fused "
@@ -66,6 +60,34 @@ def main() -> int:
               f"{s['relative_update'][-1]:.2e}")
     print(f"wrote {args.out / 'latent-feedback-fig3.png'} and .json")
     return 0
+
+
+def collect(args: Args) -> tuple[dict, dict]:
+    """The figure's JSON and its curves by label, from the run folders and the cache; a
+    one-line ``ValueError`` for a run or organism that is not there."""
+    curves, out = {}, {"seed": args.seed, "variants": {}}
+    for name in args.variants:
+        label, recipe_kw = VARIANTS[name]
+        stab = read_summary(args.run / name / "stability" / "summary.json", PRODUCER,
+                            keys=("loss", "relative_update", "checkpoint"))
+        st = read_summary(args.run / name / "state-tracking" / "summary.json", PRODUCER,
+                          keys=("datasets",))
+        rec = sealed(Recipe.default(args.seed, **recipe_kw))
+        if rec is None:
+            raise ValueError(f"{name}: seed {args.seed}'s organism is not sound in "
+                             f"probekit's cache; rerun {PRODUCER}, which trains it again")
+        curves[label] = stab
+        probes = {key: {r: {"probe_mean": v["probe"]["accuracy_mean"],
+                            "model_accuracy": v["model_accuracy"], "causal": v["causal"]}
+                        for r, v in e["regimes"].items()}
+                  for key, e in st["datasets"].items()}
+        out["variants"][name] = {
+            "label": label, "stability": stab, "state_tracking": probes,
+            "training": {k: rec[k] for k in ("train_seconds", "task_accuracy",
+                                             "final_val_pass_losses", "steps")},
+            "history_val": [h for h in _history(stab) if "val_pass_losses" in h],
+        }
+    return out, curves
 
 
 def _history(stability: dict) -> list[dict]:

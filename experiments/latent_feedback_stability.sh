@@ -27,6 +27,13 @@ declare -A VARIANT=(
     [feed-residual]="--feed residual"
 )
 NAMES=${VARIANTS:-default-75-22-3 paper-75-25 schedule-50-35-15 feed-residual}
+for name in $NAMES; do  # before any training: an unknown name would train the default
+    if [ -z "${VARIANT[$name]+known}" ]; then
+        echo "latent_feedback_stability: error: VARIANTS names no variant '$name'; choose" \
+             "from: default-75-22-3 paper-75-25 schedule-50-35-15 feed-residual" >&2
+        exit 2
+    fi
+done
 for name in $NAMES; do
     # shellcheck disable=SC2086  # the variant's flags are words
     ckpt=$("$PYTHON" experiments/organism_checkpoint.py --seed "$SEED" ${VARIANT[$name]})

@@ -20,19 +20,21 @@ from typing import Any
 import numpy as np
 
 
-def read_summary(path: Path, producer: str) -> dict[str, Any]:
+def read_summary(path: Path, producer: str,
+                 keys: tuple[str, ...] = ("compute_seconds",)) -> dict[str, Any]:
     """A run's ``summary.json``, or a one-line ``ValueError`` naming the file and ``producer``.
 
     ``producer`` is the command that writes the summary ("experiments/x.sh with the same
-    SEEDS"): the error tells the user to run it. A summary without ``compute_seconds`` was
-    written before :func:`combine_runs` could add up a resumed run's compute; rerunning the
-    producer rewrites it and reuses every finished part.
+    SEEDS"): the error tells the user to run it. ``keys`` are the fields the reader needs;
+    a summary without them was written by an older probekit (the default: a state-tracking
+    summary from before :func:`combine_runs` could add up a resumed run's compute), and
+    rerunning the producer rewrites it and reuses every finished part.
     """
     try:
         summary = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: cannot read it ({e}); run {producer} first") from None
-    if "compute_seconds" not in summary:
+    if not isinstance(summary, dict) or any(k not in summary for k in keys):
         raise ValueError(f"{path}: written by an older probekit; rerun {producer} "
                          f"(its finished parts are reused)")
     return summary
