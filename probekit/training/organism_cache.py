@@ -61,7 +61,8 @@ HEADLINE: Mapping[str, Any] = MappingProxyType(
 #: the headline's with four times the rows of 64-256 null updates, a quarter of the
 #: feedback batches at the exact fixed point and 4,500 steps, so that the state also
 #: survives the paper's longest rows (docs/latent-feedback.md, "The long-range recipe").
-#: It costs about twice the headline's training, which is why the headline keeps its own.
+#: It trains two to three times as long as the headline's, which is why the headline keeps
+#: its own.
 LONG_RANGE: Mapping[str, Any] = MappingProxyType(
     {**HEADLINE, "fixed_point": 0.25, "steps": 4500, "long_rows": 4.0})
 
