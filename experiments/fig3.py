@@ -11,7 +11,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 import tyro
 
@@ -22,7 +22,6 @@ from probekit.training.organism_cache import Recipe, sealed
 
 #: What writes the run folders this script reads; its errors say to run it.
 PRODUCER = "experiments/latent_feedback_stability.sh with the same SEED and VARIANTS"
-Variant = Literal["default-75-22-3", "paper-75-25", "schedule-50-35-15", "feed-residual"]
 VARIANTS = {
     "default-75-22-3": ("75/22/3% 1/2/3 passes (default), 2,000 steps", {}),
     "paper-75-25": ("75/25% 1/2 passes, 2,000 steps", {"schedule": (0.75, 0.25)}),
@@ -30,14 +29,15 @@ VARIANTS = {
                           {"schedule": (0.5, 0.35, 0.15), "steps": 4000}),
     "feed-residual": ("default, un-normed residual fed back", {"feed": "residual"}),
 }
-assert set(VARIANTS) == set(get_args(Variant))
+#: A name of VARIANTS (tyro refuses any other by listing these).
+Variant = Literal[tuple(VARIANTS)]
 
 
 @dataclasses.dataclass(frozen=True)
 class Args:
     run: tyro.conf.Positional[Path]
     seed: int = 0
-    variants: tuple[Variant, ...] = get_args(Variant)
+    variants: tuple[Variant, ...] = tuple(VARIANTS)
     """which variants ran (names of VARIANTS)"""
     out: Path = Path("figures")
 

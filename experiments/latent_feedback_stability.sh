@@ -26,11 +26,12 @@ declare -A VARIANT=(
     [schedule-50-35-15]="--schedule 0.5 0.35 0.15 --steps 4000"
     [feed-residual]="--feed residual"
 )
-NAMES=${VARIANTS:-default-75-22-3 paper-75-25 schedule-50-35-15 feed-residual}
+ALL="default-75-22-3 paper-75-25 schedule-50-35-15 feed-residual"  # VARIANT's keys, in order
+NAMES=${VARIANTS:-$ALL}
 for name in $NAMES; do  # before any training: an unknown name would train the default
     if [ -z "${VARIANT[$name]+known}" ]; then
         echo "latent_feedback_stability: error: VARIANTS names no variant '$name'; choose" \
-             "from: default-75-22-3 paper-75-25 schedule-50-35-15 feed-residual" >&2
+             "from: $ALL" >&2
         exit 2
     fi
 done
