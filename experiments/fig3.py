@@ -18,7 +18,7 @@ import tyro
 from probekit.analysis.across_runs import read_summary
 from probekit.commands.common import script_error
 from probekit.plots.stability import plot_stability_contrast
-from probekit.training.organism_cache import Recipe, sealed
+from probekit.training.organism_cache import organism_record
 
 #: What writes the run folders this script reads; its errors say to run it.
 PRODUCER = "experiments/latent_feedback_stability.sh with the same SEED and VARIANTS"
@@ -67,15 +67,23 @@ def collect(args: Args) -> tuple[dict, dict]:
     one-line ``ValueError`` for a run or organism that is not there."""
     curves, out = {}, {"seed": args.seed, "variants": {}}
     for name in args.variants:
-        label, recipe_kw = VARIANTS[name]
+        label, _ = VARIANTS[name]
         stab = read_summary(args.run / name / "stability" / "summary.json", PRODUCER,
                             keys=("loss", "relative_update", "checkpoint"))
         st = read_summary(args.run / name / "state-tracking" / "summary.json", PRODUCER,
-                          keys=("datasets",))
-        rec = sealed(Recipe.default(args.seed, **recipe_kw))
-        if rec is None:
-            raise ValueError(f"{name}: seed {args.seed}'s organism is not sound in "
-                             f"probekit's cache; rerun {PRODUCER}, which trains it again")
+                          keys=("datasets", "mechanism"))
+        ckpt, other = stab["checkpoint"]["checkpoint"], st["mechanism"].get("checkpoint")
+        if other is None or Path(other).resolve() != Path(ckpt).resolve():
+            raise ValueError(f"{name}: its stability and state-tracking runs read different "
+                             f"organisms ({ckpt}, {other}); rerun {PRODUCER}")
+        try:
+            _, rec = organism_record(ckpt)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}; rerun {PRODUCER}, which trains it again") from None
+        seed = rec["recipe"]["train"]["seed"]
+        if seed != args.seed:
+            raise ValueError(f"{name}: its organism was trained with seed {seed}; give "
+                             f"--seed {seed} (the script's SEED)")
         curves[label] = stab
         probes = {key: {r: {"probe_mean": v["probe"]["accuracy_mean"],
                             "model_accuracy": v["model_accuracy"], "causal": v["causal"]}

@@ -22,10 +22,9 @@ import tyro
 
 from probekit.analysis.across_runs import combine_runs, read_summary
 from probekit.commands.common import script_error
-from probekit.core import model_cache
 from probekit.plots.state_tracking import plot_by_length
 from probekit.runs import identity
-from probekit.training.organism_cache import Recipe
+from probekit.training.organism_cache import Recipe, organism_record
 
 #: The paper's depth-0 probe accuracy under full recurrent prefill (Sec. 4.4, Fig. 7a).
 PAPER = {"completion": 0.996, "memory": 1.0}
@@ -76,13 +75,10 @@ def organism_of(run: Path, summary: dict[str, Any]) -> tuple[str, dict[str, Any]
     if ckpt is None:
         raise Fig7aError(f"{run}/summary.json names no latent-feedback checkpoint; give "
                          f"the run folder of experiments/latent_feedback_organism.sh")
-    folder = Path(ckpt).parent
-    rec = model_cache.record(folder)
-    reason = "no training record" if rec is None else model_cache.problem(folder)
-    if reason is not None or "recipe" not in rec:
-        raise Fig7aError(f"{run}: its organism {folder} is not a sound cached organism "
-                         f"({reason or 'no recipe in its record'}); rerun the script, "
-                         f"which trains it again")
+    try:
+        folder, rec = organism_record(ckpt)
+    except ValueError as e:
+        raise Fig7aError(f"{run}: {e}; rerun the script, which trains it again") from None
     return str(folder), rec
 
 

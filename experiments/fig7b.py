@@ -2,7 +2,9 @@
 per sweep condition at depths 0, 1, 2 and 4 for every prefill regime (mean and min-max
 over organism seeds), the paper's three claims checked, every number in one JSON.
 
-    python experiments/fig7b.py runs/latent-feedback-fig7b --seeds 0 1 2 --steps 4000
+    python experiments/fig7b.py runs/latent-feedback-fig7b --seeds 0 1 2
+
+The organisms' training records and shape are those of the checkpoints the runs read.
 """
 
 from __future__ import annotations
@@ -11,16 +13,16 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
 
 import numpy as np
 import tyro
 
 from probekit.analysis.across_runs import combine_runs, read_summary
-from probekit.commands.common import FLAT, script_error
-from probekit.training.config import OrganismConfig
-from probekit.training.organism_cache import Recipe, sealed
+from probekit.commands.common import script_error
+from probekit.training.organism_cache import organism_record
 
+#: What writes the run folders this script reads; its errors say to run it.
+PRODUCER = "experiments/latent_feedback_registers.sh"
 SWEEPS = {"register-sweep": "m", "overwrite-sweep": "writes"}
 DEPTHS = (0, 1, 2, 4)
 
@@ -29,38 +31,21 @@ DEPTHS = (0, 1, 2, 4)
 class Args:
     run: tyro.conf.Positional[Path]
     seeds: tuple[int, ...] = (0, 1, 2)
-    steps: int = 4000
-    """training steps of the register organisms (the script's STEPS)"""
-    tasks: tuple[str, ...] = ("registers",)
-    """training tasks of the register organisms (the script's TASKS)"""
-    shape: Annotated[OrganismConfig, FLAT] = OrganismConfig()
-    """the register organisms' shape (the script's SHAPE)"""
+    """the organisms' training seeds (the script's SEEDS)"""
     out: Path = Path("figures")
 
 
 def main() -> int:
+    args = tyro.cli(Args)
     try:
-        args = tyro.cli(Args)
-    except ValueError as err:  # a shape that cannot be built
+        runs, organisms, shape = collect(args)
+    except ValueError as err:
         return script_error("fig7b", str(err))
-    combined = {}
-    for sweep in SWEEPS:
-        runs = {}
-        for s in args.seeds:
-            path = args.run / f"seed{s}" / sweep / "summary.json"
-            try:
-                runs[f"latent-feedback-seed{s}"] = read_summary(
-                    path, "experiments/latent_feedback_registers.sh")
-            except ValueError as e:
-                return script_error("fig7b", str(e))
-        combined[sweep] = combine_runs(runs)["mechanisms"]["latent-feedback"]
+    combined = {sweep: combine_runs(r)["mechanisms"]["latent-feedback"]
+                for sweep, r in runs.items()}
     claims = _claims(combined)
-    organisms = {s: {k: sealed(Recipe.default(s, tasks=args.tasks, shape=args.shape,
-                                              steps=args.steps))[k]
-                     for k in ("train_seconds", "task_accuracy", "steps")} for s in args.seeds}
-    out = {"seeds": list(args.seeds), "shape": dataclasses.asdict(args.shape),
-           "organisms": organisms, "claims": claims,
-           "results": {sweep: c["datasets"] for sweep, c in combined.items()},
+    out = {"seeds": list(args.seeds), "shape": shape, "organisms": organisms,
+           "claims": claims, "results": {sweep: c["datasets"] for sweep, c in combined.items()},
            "compute_seconds": {sweep: c["compute_seconds"] for sweep, c in combined.items()}}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "latent-feedback-fig7b.json").write_text(json.dumps(out, indent=1))
@@ -69,6 +54,42 @@ def main() -> int:
         print(f"{name}: {c['verdict']} ({c['evidence']})")
     print(f"wrote {args.out / 'latent-feedback-fig7b.png'} and .json")
     return 0
+
+
+def collect(args: Args) -> tuple[dict, dict, dict]:
+    """The runs' summaries per sweep, the training record of the organism each seed's runs
+    read (from the checkpoint their summaries name) and the organisms' shape; a one-line
+    ``ValueError`` for a run or organism the figure cannot use."""
+    runs: dict[str, dict] = {sweep: {} for sweep in SWEEPS}
+    organisms, recipes = {}, {}
+    for s in args.seeds:
+        read = set()
+        for sweep in SWEEPS:
+            path = args.run / f"seed{s}" / sweep / "summary.json"
+            summary = read_summary(path, PRODUCER)
+            ckpt = summary.get("mechanism", {}).get("checkpoint")
+            if ckpt is None:
+                raise ValueError(f"{path} names no latent-feedback checkpoint; give the run "
+                                 f"folder of {PRODUCER}")
+            try:
+                _, rec = organism_record(ckpt)
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}; rerun {PRODUCER}, which trains it again") \
+                    from None
+            read.add(str(Path(ckpt).resolve()))
+            runs[sweep][f"latent-feedback-seed{s}"] = summary
+        if len(read) > 1:
+            raise ValueError(f"seed {s}'s two sweeps read different organisms "
+                             f"({', '.join(sorted(read))}); rerun {PRODUCER}")
+        organisms[s] = {k: rec[k] for k in ("train_seconds", "task_accuracy", "steps")}
+        recipe = {**rec["recipe"], "train": {k: v for k, v in rec["recipe"]["train"].items()
+                                             if k != "seed"}}
+        recipes[s] = json.dumps({"recipe": recipe, "steps": rec["steps"]}, sort_keys=True)
+    if len(set(recipes.values())) > 1:
+        raise ValueError(f"the seeds' organisms come from different recipes (seeds "
+                         f"{', '.join(map(str, args.seeds))}); rerun {PRODUCER} with one "
+                         f"TASKS, STEPS and SHAPE into one RUN folder")
+    return runs, organisms, rec["recipe"]["shape"]
 
 
 def _at(combined, sweep, regime, depth):

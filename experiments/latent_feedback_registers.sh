@@ -41,4 +41,4 @@ for seed in $SEEDS; do
 done
 mkdir -p figures
 # shellcheck disable=SC2086
-"$PYTHON" experiments/fig7b.py "$RUN" --seeds $SEEDS --steps "$STEPS" --tasks $TASKS $SHAPE
+"$PYTHON" experiments/fig7b.py "$RUN" --seeds $SEEDS

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from probekit.core import model_cache
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "latent_feedback_stability.sh"
 PRODUCER = "experiments/latent_feedback_stability.sh with the same SEED and VARIANTS"
@@ -55,12 +57,45 @@ def test_fig3_refuses_an_old_summary_and_an_organism_missing_from_the_cache(tmp_
     assert done.stderr == (f"fig3: error: {stability}: written by an older probekit; rerun "
                            f"{PRODUCER} (its finished parts are reused)\n")
 
-    stability.write_text(json.dumps({"loss": [1.0], "relative_update": [0.0],
-                                     "checkpoint": {"checkpoint": "nowhere"}}))
+    _runs_reading(tmp_path, "feed-residual", *[tmp_path / "gone" / "checkpoint"] * 2)
     done = fig3(tmp_path, "--variants", "feed-residual", "--seed", "3")
     assert done.returncode == 2
-    assert done.stderr == (f"fig3: error: feed-residual: seed 3's organism is not sound in "
-                           f"probekit's cache; rerun {PRODUCER}, which trains it again\n")
+    assert done.stderr == (f"fig3: error: feed-residual: its organism {tmp_path}/gone is not a "
+                           f"sound cached organism (no training record); rerun {PRODUCER}, "
+                           f"which trains it again\n")
+    assert not (tmp_path / "figures").exists()
+
+
+def _runs_reading(tmp: Path, name: str, stability_ckpt: Path, tracking_ckpt: Path) -> None:
+    for kind, summary in (
+            ("stability", {"loss": [1.0], "relative_update": [0.0],
+                           "checkpoint": {"checkpoint": str(stability_ckpt)}}),
+            ("state-tracking", {"datasets": {}, "mechanism": {"checkpoint": str(tracking_ckpt)}})):
+        (tmp / "run" / name / kind).mkdir(parents=True, exist_ok=True)
+        (tmp / "run" / name / kind / "summary.json").write_text(json.dumps(summary))
+
+
+def test_fig3_describes_the_organism_its_runs_read_and_checks_it_is_one(tmp_path):
+    """The training record comes from the checkpoint the runs name (not from the recipe's
+    organism of today): two runs that read different organisms, or a record of another
+    seed than --seed, are refused in one line."""
+    organism = tmp_path / "organisms" / "seed2-abc"
+    (organism / "checkpoint").mkdir(parents=True)
+    (organism / "checkpoint" / "config.json").write_text("{}")
+    model_cache.seal(organism, {"recipe": {"train": {"seed": 2}}})
+    ckpt = organism / "checkpoint"
+    _runs_reading(tmp_path, "paper-75-25", ckpt, tmp_path / "elsewhere" / "checkpoint")
+    done = fig3(tmp_path, "--variants", "paper-75-25", "--seed", "2")
+    assert done.returncode == 2
+    assert done.stderr == (f"fig3: error: paper-75-25: its stability and state-tracking runs "
+                           f"read different organisms ({ckpt}, {tmp_path}/elsewhere/checkpoint);"
+                           f" rerun {PRODUCER}\n")
+
+    _runs_reading(tmp_path, "paper-75-25", ckpt, ckpt)
+    done = fig3(tmp_path, "--variants", "paper-75-25", "--seed", "0")
+    assert done.returncode == 2
+    assert done.stderr == ("fig3: error: paper-75-25: its organism was trained with seed 2; "
+                           "give --seed 2 (the script's SEED)\n")
     assert not (tmp_path / "figures").exists()
 
 

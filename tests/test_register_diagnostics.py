@@ -331,8 +331,6 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
     ("numeral_collapse.py", ("no/such/organism",),
      "numeral_collapse: error: no/such/organism is not an organism checkpoint (no "
      "config.json); give a folder that organism_checkpoint.py printed"),
-    ("fig7b.py", ("runs/none", "--n-blocks", "0"),
-     "fig7b: error: --n-blocks (organism shape) must be a positive integer; got 0"),
     ("fig7b.py", ("runs/none",),
      "fig7b: error: runs/none/seed0/register-sweep/summary.json: cannot read it ([Errno 2] "
      "No such file or directory: 'runs/none/seed0/register-sweep/summary.json'); run "

@@ -18,6 +18,8 @@ it by hand first, and nobody should get a half-trained or damaged one:
   the machine alone (other machines' matmul kernels may still round differently).
 - A second process asking for the same organism waits for the first (a folder lock held
   while it trains), then uses its result.
+- :func:`organism_record` reads back the record of the organism a run read, from the
+  checkpoint path its summary names: figures describe the organisms their runs used.
 """
 
 from __future__ import annotations
@@ -188,6 +190,21 @@ def sealed(recipe: Recipe) -> dict[str, Any] | None:
     if rec is None or model_cache.problem(folder) is not None:
         return None
     return rec
+
+
+def organism_record(checkpoint: str | Path) -> tuple[Path, dict[str, Any]]:
+    """The cache folder and seal record of the organism whose checkpoint folder a run read
+    (the path its summary names), or a one-line ``ValueError`` saying why it is not a
+    sound organism of the cache. A figure describes the organism its runs used this way,
+    not whatever its recipe's organism is now."""
+    folder = Path(checkpoint).parent
+    rec = model_cache.record(folder)
+    reason = "no training record" if rec is None else model_cache.problem(folder)
+    if reason is None and "recipe" not in rec:
+        reason = "no recipe in its record"
+    if reason is not None:
+        raise ValueError(f"its organism {folder} is not a sound cached organism ({reason})")
+    return folder, rec
 
 
 def _clear_damage(folder: Path, ckpt: Path) -> None:
