@@ -81,9 +81,12 @@ def collect(args: Args) -> tuple[dict, dict, dict]:
         if len(read) > 1:
             raise ValueError(f"seed {s}'s two sweeps read different organisms "
                              f"({', '.join(sorted(read))}); rerun {PRODUCER}")
+        train = dict(rec["recipe"]["train"])
+        if train.pop("seed") != s:
+            raise ValueError(f"seed {s}'s runs read an organism of seed "
+                             f"{rec['recipe']['train']['seed']}; rerun {PRODUCER}")
         organisms[s] = {k: rec[k] for k in ("train_seconds", "task_accuracy", "steps")}
-        recipe = {**rec["recipe"], "train": {k: v for k, v in rec["recipe"]["train"].items()
-                                             if k != "seed"}}
+        recipe = {**rec["recipe"], "train": train}
         recipes[s] = json.dumps({"recipe": recipe, "steps": rec["steps"]}, sort_keys=True)
     if len(set(recipes.values())) > 1:
         raise ValueError(f"the seeds' organisms come from different recipes (seeds "

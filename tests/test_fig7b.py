@@ -60,3 +60,12 @@ def test_runs_of_one_seed_on_two_organisms_are_refused(tmp_path):
     assert done.stderr == (f"fig7b: error: seed 0's two sweeps read different organisms "
                            f"({a}, {b}); rerun {PRODUCER}\n")
     assert not (tmp_path / "figures").exists()
+
+
+def test_runs_that_read_another_seeds_organism_are_refused(tmp_path):
+    other = _organism(tmp_path, "seed0-a", 0)
+    _sweeps_reading(tmp_path, 1, other, other)
+    done = fig7b(tmp_path, "--seeds", "1")
+    assert done.returncode == 2
+    assert done.stderr == (f"fig7b: error: seed 1's runs read an organism of seed 0; rerun "
+                           f"{PRODUCER}\n")
