@@ -69,3 +69,19 @@ def test_runs_that_read_another_seeds_organism_are_refused(tmp_path):
     assert done.returncode == 2
     assert done.stderr == (f"fig7b: error: seed 1's runs read an organism of seed 0; rerun "
                            f"{PRODUCER}\n")
+
+
+def test_seeds_of_different_recipes_are_refused(tmp_path):
+    a = _organism(tmp_path, "seed0-a", 0)
+    b = tmp_path / "organisms" / "seed1-b"
+    (b / "checkpoint").mkdir(parents=True)
+    (b / "checkpoint" / "config.json").write_text("{}")
+    model_cache.seal(b, {"recipe": {"train": {"seed": 1}, "shape": {}}, "steps": 2,
+                         "train_seconds": 1.0, "task_accuracy": {}})
+    _sweeps_reading(tmp_path, 0, a, a)
+    _sweeps_reading(tmp_path, 1, b / "checkpoint", b / "checkpoint")
+    done = fig7b(tmp_path, "--seeds", "0", "1")
+    assert done.returncode == 2
+    assert done.stderr == (f"fig7b: error: the seeds' organisms come from different recipes "
+                           f"(seeds 0, 1); rerun {PRODUCER} with one TASKS, STEPS and SHAPE "
+                           f"into one RUN folder\n")
