@@ -22,12 +22,13 @@ from probekit.training.organism_cache import organism_record
 
 #: What writes the run folders this script reads; its errors say to run it.
 PRODUCER = "experiments/latent_feedback_stability.sh with the same SEED and VARIANTS"
+#: Each variant's label; its training flags live in the script (the organism's record
+#: is read from the checkpoint its runs name).
 VARIANTS = {
-    "default-75-22-3": ("75/22/3% 1/2/3 passes (default), 2,000 steps", {}),
-    "paper-75-25": ("75/25% 1/2 passes, 2,000 steps", {"schedule": (0.75, 0.25)}),
-    "schedule-50-35-15": ("50/35/15% 1/2/3 passes, 4,000 steps",
-                          {"schedule": (0.5, 0.35, 0.15), "steps": 4000}),
-    "feed-residual": ("default, un-normed residual fed back", {"feed": "residual"}),
+    "default-75-22-3": "75/22/3% 1/2/3 passes (default), 2,000 steps",
+    "paper-75-25": "75/25% 1/2 passes, 2,000 steps",
+    "schedule-50-35-15": "50/35/15% 1/2/3 passes, 4,000 steps",
+    "feed-residual": "default, un-normed residual fed back",
 }
 #: A name of VARIANTS (tyro refuses any other by listing these).
 Variant = Literal[tuple(VARIANTS)]
@@ -67,7 +68,7 @@ def collect(args: Args) -> tuple[dict, dict]:
     one-line ``ValueError`` for a run or organism that is not there."""
     curves, out = {}, {"seed": args.seed, "variants": {}}
     for name in args.variants:
-        label, _ = VARIANTS[name]
+        label = VARIANTS[name]
         stab = read_summary(args.run / name / "stability" / "summary.json", PRODUCER,
                             keys=("loss", "relative_update", "checkpoint"))
         st = read_summary(args.run / name / "state-tracking" / "summary.json", PRODUCER,
