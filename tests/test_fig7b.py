@@ -31,12 +31,12 @@ def _sweeps_reading(tmp: Path, seed: int, *checkpoints: Path) -> list[Path]:
     return paths
 
 
-def _organism(tmp: Path, name: str, seed: int) -> Path:
+def _organism(tmp: Path, name: str, seed: int, steps: int = 1) -> Path:
     folder = tmp / "organisms" / name
     (folder / "checkpoint").mkdir(parents=True)
     (folder / "checkpoint" / "config.json").write_text("{}")
-    model_cache.seal(folder, {"recipe": {"train": {"seed": seed}, "shape": {}}, "steps": 1,
-                              "train_seconds": 1.0, "task_accuracy": {}})
+    model_cache.seal(folder, {"recipe": {"train": {"seed": seed}, "shape": {}},
+                              "steps": steps, "train_seconds": 1.0, "task_accuracy": {}})
     return folder / "checkpoint"
 
 
@@ -72,14 +72,9 @@ def test_runs_that_read_another_seeds_organism_are_refused(tmp_path):
 
 
 def test_seeds_of_different_recipes_are_refused(tmp_path):
-    a = _organism(tmp_path, "seed0-a", 0)
-    b = tmp_path / "organisms" / "seed1-b"
-    (b / "checkpoint").mkdir(parents=True)
-    (b / "checkpoint" / "config.json").write_text("{}")
-    model_cache.seal(b, {"recipe": {"train": {"seed": 1}, "shape": {}}, "steps": 2,
-                         "train_seconds": 1.0, "task_accuracy": {}})
+    a, b = _organism(tmp_path, "seed0-a", 0), _organism(tmp_path, "seed1-b", 1, steps=2)
     _sweeps_reading(tmp_path, 0, a, a)
-    _sweeps_reading(tmp_path, 1, b / "checkpoint", b / "checkpoint")
+    _sweeps_reading(tmp_path, 1, b, b)
     done = fig7b(tmp_path, "--seeds", "0", "1")
     assert done.returncode == 2
     assert done.stderr == (f"fig7b: error: the seeds' organisms come from different recipes "
