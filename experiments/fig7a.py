@@ -24,6 +24,8 @@ from probekit.analysis.across_runs import combine_runs, read_summary
 from probekit.commands.common import script_error
 from probekit.plots.state_tracking import plot_by_length
 from probekit.runs import identity
+from probekit.training.checkpoint import read_history
+from probekit.training.history import solved_at
 from probekit.training.organism_cache import Recipe, organism_record
 
 #: The paper's depth-0 probe accuracy under full recurrent prefill (Sec. 4.4, Fig. 7a).
@@ -121,7 +123,10 @@ def collect(args: Args) -> dict[str, Any]:
                                             "final_val_pass_losses", "data")}
         # where it was trained (seals before 2026-12-04 do not say)
         organisms[s].update({k: rec[k] for k in ("versions", "machine") if k in rec})
-        organisms[s]["folder"] = Path(folders[s].pop()).name
+        folder = Path(folders[s].pop())
+        organisms[s]["folder"] = folder.name
+        # the first validation step at >= 0.9 per task and pass count (the seal verified it)
+        organisms[s]["solved_at"] = solved_at(read_history(folder / "checkpoint"))
     verdicts = {}
     for task, rows in table.items():
         full0 = [r["full"]["probe_min"][0] for r in rows.values()]

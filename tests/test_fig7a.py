@@ -18,6 +18,7 @@ import tyro
 
 from probekit.runs import identity
 from probekit.training.config import OrganismConfig
+from probekit.training.history import solved_at
 from probekit.training.organism_cache import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,6 +115,10 @@ def test_a_recipe_figure_shows_that_recipes_cached_organisms_under_its_own_name(
     sealed = json.loads((folder / "probekit-cache.json").read_text())
     assert out["organisms"]["0"]["task_accuracy"] == sealed["task_accuracy"]
     assert out["organisms"]["0"]["machine"] == sealed["machine"]  # where it was trained
+    # when each task was first solved, from the sealed training history
+    history = json.loads((folder / "checkpoint" / "history.json").read_text())
+    assert out["organisms"]["0"]["solved_at"] == solved_at(history)
+    assert set(out["organisms"]["0"]["solved_at"]) == {"completion", "memory"}
     summary = json.loads((tmp / "run" / "seed0" / "memory-d0" / "summary.json").read_text())
     assert summary["mechanism"]["checkpoint"] == str(folder / "checkpoint")
     # the runs' own compute (kept across resumes), not the last invocation's wall time

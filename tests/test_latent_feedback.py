@@ -25,6 +25,7 @@ from probekit.mechanisms.regimes import Regime, parse_regimes, plan
 from probekit.training.checkpoint import load_checkpoint, save_checkpoint
 from probekit.training.config import OrganismConfig, TrainConfig
 from probekit.training.data import TrainData, pad_batch
+from probekit.training.history import solved_at
 from probekit.training.objective import (
     ahead_loss,
     answer_weights,
@@ -533,6 +534,22 @@ def test_validation_accuracy_by_task_equals_each_task_alone(tmp_path):
     assert "group_accuracy" not in evaluate(model.hf_model, gate, batches, 3)
     with pytest.raises(ValueError, match="groups names 2 batches; there are 3"):
         evaluate(model.hf_model, gate, batches, 3, groups=("a", "b"))
+
+
+def test_solved_at_is_each_tasks_first_validated_step_at_the_threshold_by_pass():
+    """The first validation step at >= 0.9 per task and pass count, None if never; steps
+    without a validation and later dips do not count (Fig. 7a's JSON reports it)."""
+    history = [
+        {"step": 1, "loss": 3.0},
+        {"step": 250, "val_task_accuracy": {"completion": [0.5, 0.5], "memory": [0.9, 0.5]}},
+        {"step": 251, "loss": 1.0},
+        {"step": 500, "val_task_accuracy": {"completion": [0.89, 0.5], "memory": [0.6, 0.95]}},
+        {"step": 750, "val_task_accuracy": {"completion": [0.97, 0.5], "memory": [1.0, 1.0]}},
+    ]
+    assert solved_at(history) == {"completion": [750, None], "memory": [250, 500]}
+    assert solved_at(history, threshold=0.5) == {"completion": [250, 250],
+                                                 "memory": [250, 250]}
+    assert solved_at([{"step": 3, "loss": 1.0}]) == {}
 
 
 def test_organism_validation_batches_each_hold_one_task():

@@ -211,7 +211,9 @@ def check_checkpoint(path: str | Path) -> dict:
     return cfg
 
 
-def _read_history(path: Path) -> list:
+def read_history(path: str | Path) -> list:
+    """The checkpoint's per-step training record (``history.json``; empty if absent)."""
+    path = Path(path)
     if not (path / "history.json").is_file():
         return []
     try:
@@ -275,7 +277,7 @@ def load_checkpoint(path: str | Path, model=None) -> FeedbackCheckpoint:
 
     path = Path(path)
     cfg = check_checkpoint(path)
-    history = _read_history(path)
+    history = read_history(path)
     if model is None:
         if cfg["mode"] == "organism":
             model = load_model(str(path / "organism"))
@@ -304,7 +306,7 @@ def restore_training(path: str | Path, *, gate: FeedbackGate, model, config: Tra
     if gate_feed(cfg) != gate.feed:
         raise ValueError(f"{path} holds a gate that feeds back the {gate_feed(cfg)} state, "
                          f"not {gate.feed}; use --feed {gate_feed(cfg)} or another run dir")
-    history = _read_history(path)
+    history = read_history(path)
     _load_gate(gate, path)
     if ahead is not None:
         _load_part(ahead, path, "ahead.", "the --ahead-loss head")
