@@ -1,8 +1,9 @@
 """When a training first solved each task, read from its history (``history.json``).
 
-The organism's seeds differ in when they leave the plateau at chance on completion, and
-that step goes with how well the fed-back state holds the answer (docs/latent-feedback.md,
-"The model organism"), so Fig. 7a's JSON reports it per seed beside the probes.
+The organism's seeds differ widely in when they leave the plateau at chance on
+completion, and on some recipes that step goes with how they do in Fig. 7a
+(docs/latent-feedback.md, "The model organism"), so Fig. 7a's JSON reports it per seed
+beside the probes.
 """
 
 from __future__ import annotations
