@@ -112,6 +112,27 @@ def test_organism_batches_keep_to_the_token_budget():
     assert max(sizes) == 4 and min(sizes) < 4  # whole windows, shorter at the long end
 
 
+def test_short_batches_draw_every_short_row_and_no_other_with_one_draw():
+    """batch(short=True) draws from the rows of at most short_len tokens only, every one of
+    them, and takes as much from the generator as batch() does: a short stage leaves the
+    random streams of the steps after it alone."""
+    from probekit.training.data import TrainData
+
+    rows = [[1] * n for n in (5, 5, 6, 7, 40, 41, 300)]
+    for bucket in (True, False):
+        data = TrainData(rows, [], pad_id=0, bucket=bucket, max_tokens=100, short_len=6)
+        assert data.n_short == 3
+        drawn = set()
+        for seed in range(100):
+            g, h = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+            ids, valid = data.batch(2, g, short=True)
+            data.batch(2, h)
+            assert torch.equal(g.get_state(), h.get_state())
+            drawn |= {int(n) for n in valid.sum(1) + 1}
+        assert drawn == {5, 6}
+    assert TrainData(rows, [], pad_id=0).n_short == len(rows)  # no short_len: every row
+
+
 def test_training_rows_follow_the_task_and_length_shares():
     from probekit.training.organism import (
         TASK_SHARES,

@@ -592,6 +592,82 @@ def test_fixed_point_share_trains_full_batches_only_after_feedback_start(tmp_pat
     assert list(lines["fixed point"].get_xdata()) == list(range(11, 31))
 
 
+def _short_and_long_rows(model):
+    """Rows of a carried bit, every other one lengthened by null lines, and the length of
+    the longest short row."""
+    texts = [f"state = {b}\nscratch = {s}\n" + "scratch += 0\n" * (6 * (s % 2))
+             + f"# final state: {['zero', 'one'][b]}" for b in (0, 1) for s in range(10)]
+    rows = model.tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return rows, max(len(r) for r in rows[::2])
+
+
+def test_short_first_trains_its_first_steps_on_short_rows_and_resumes_exactly(tmp_path,
+                                                                                monkeypatch):
+    """--short-first N: steps 0..N-1 draw only rows of at most short_len tokens, later
+    steps every row; a training resumed across the boundary ends with the weights of an
+    uninterrupted one, and the stage changes what is trained."""
+
+    model, gate, _ = _tiny_organism_and_data()
+    rows, short_len = _short_and_long_rows(model)
+    pad = model.tokenizer.pad_token_id
+    data = TrainData(rows, [pad_batch(rows, pad)], pad, bucket=True, short_len=short_len)
+    assert 0 < data.n_short < len(rows)
+    config = TrainConfig(mode="organism", steps=8, batch_size=4, lr=1e-2, warmup=2,
+                         lr_floor=1.0, eval_every=0, save_every=4, answer_weight=1.0,
+                         feedback_start=2, short_first=5)  # a flat rate: steps may change
+    widths = []
+    real = data.batch
+
+    def spy(size, generator, short=False):
+        ids, valid = real(size, generator, short)
+        widths.append((short, int(valid.sum(1).max()) + 1))
+        return ids, valid
+
+    monkeypatch.setattr(data, "batch", spy)
+    train(model, gate, data, config, tmp_path / "straight", progress=False)
+    assert [short for short, _ in widths] == [True] * 5 + [False] * 3
+    assert all(width <= short_len for _, width in widths[:5])
+    straight = [p.detach().clone() for p in model.hf_model.parameters()]
+
+    def trained(steps, folder, **kw):
+        model, gate, _ = _tiny_organism_and_data()  # the same seeded initial weights
+        train(model, gate, data, dataclasses.replace(config, steps=steps, **kw),
+              tmp_path / folder, progress=False)
+        return model
+
+    trained(4, "halves")
+    resumed = trained(8, "halves")
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in
+               zip(straight, resumed.hf_model.parameters(), strict=True))
+    plain = trained(8, "plain", short_first=0)
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in
+                   zip(straight, plain.hf_model.parameters(), strict=True))
+
+
+def test_short_first_needs_short_rows(tmp_path):
+    model, gate, _ = _tiny_organism_and_data()
+    rows, _ = _short_and_long_rows(model)
+    data = TrainData(rows, [], model.tokenizer.pad_token_id, bucket=True, short_len=3)
+    config = TrainConfig(mode="organism", steps=2, batch_size=4, short_first=1)
+    with pytest.raises(ValueError, match=(
+            r"^--short-first draws rows of at most 3 tokens \(the validation rows' length\) and "
+            r"the training rows have none; train on 0-8 null updates too, or drop "
+            r"--short-first$")):
+        train(model, gate, data, config, tmp_path / "ck", progress=False)
+    assert not (tmp_path / "ck").exists()
+
+
+def test_organism_short_rows_are_those_no_longer_than_the_validation_rows():
+    from probekit.training.data import organism_data
+    from probekit.training.organism import fit_tokenizer, probe_rows
+
+    tok = fit_tokenizer()
+    data = organism_data(tok, tasks=("completion", "memory"), n_examples=300, seed=0)
+    assert data.short_len == max(len(r) for r in probe_rows(tok))
+    assert data.n_short == sum(len(r) <= data.short_len for r in data.train)
+    assert 0 < data.n_short < len(data.train)  # the long rows are the 16-256 null updates
+
+
 def test_fixed_point_zero_keeps_the_random_stream(tmp_path, monkeypatch):
     """--fixed-point 0 draws nothing extra: each step's Jacobi loss sees the generator
     exactly as the batch and the pass count left it, as before the option existed (so
@@ -688,6 +764,11 @@ def test_train_config_validation():
     with pytest.raises(ValueError, match=(r"^--ahead-loss trains the organism's top states to "
                                           r"predict two tokens ahead; it needs --mode organism$")):
         TrainConfig(mode="gate", ahead_loss=1.0)
+    with pytest.raises(ValueError, match=r"^--short-first must be an integer >= 0; got -1$"):
+        TrainConfig(mode="organism", short_first=-1)
+    with pytest.raises(ValueError, match=(r"^--short-first draws the organism's short task rows "
+                                          r"first; it needs --mode organism$")):
+        TrainConfig(mode="gate", short_first=10)
     assert TrainConfig(schedule=[0.5, 0.5]).max_passes == 2
 
 

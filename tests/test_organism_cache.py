@@ -145,6 +145,8 @@ def test_the_recipe_key_follows_every_field_that_decides_the_weights():
     assert small(steps=13).key() != base.key()
     assert small(lr=0.01).key() != base.key()
     assert small(feed="residual").key() != base.key()
+    assert small(short_first=0).key() == base.key()
+    assert small(short_first=5).key() != base.key()
     assert organism_folder(small(seed=3)).name.startswith("seed3-")
     with pytest.raises(ValueError, match="an organism recipe trains in organism mode, not gate"):
         Recipe(train=TrainConfig(mode="gate"))
@@ -179,6 +181,17 @@ def test_copy_rows_key_only_the_recipes_that_use_them(monkeypatch):
     before = copying.key()
     monkeypatch.setattr(organism, "COPY_LENGTHS", (2, 3))
     assert copying.key() != before and plain.key() == "fbbf51d681"
+
+
+def test_the_validation_lengths_key_only_the_recipes_that_train_short_rows_first(monkeypatch):
+    """--short-first's rows are those no longer than the validation rows, so the probe
+    sets' null-update counts enter the key of a recipe with it, and only of such."""
+    from probekit.training import organism
+
+    plain, short = Recipe.default(0), Recipe.default(0, short_first=100)
+    before = short.key()
+    monkeypatch.setattr(organism, "PROBE_DISTRACTORS", (0, 16))
+    assert short.key() != before and plain.key() == "fbbf51d681"
 
 
 def test_copy_from_keys_only_the_recipes_that_change_it():

@@ -70,6 +70,10 @@ class TrainConfig:
     ahead_loss: float = added_later(0.0)
     """organism mode: weight of a second head's loss that predicts, from each position's
     top state, the token two ahead (multi-token prediction; 0: none)"""
+    short_first: int = added_later(0)
+    """organism mode: the first this-many steps draw their batches only from rows no longer
+    than the validation rows (0-8 null updates, and the copy rows), so that the tasks are
+    learned on short rows before the long rows come in (0: every row from the start)"""
     grad_clip: float = 1.0
     """gradient-norm clip (0: none)"""
     answer_weight: float | None = None
@@ -112,7 +116,7 @@ def _validate(c: TrainConfig) -> None:
         v = getattr(c, name)
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"--{_flag(name)} must be a positive integer; got {v!r}")
-    for name in ("warmup", "eval_every", "seed", "feedback_start"):
+    for name in ("warmup", "eval_every", "seed", "feedback_start", "short_first"):
         v = getattr(c, name)
         if not isinstance(v, int) or v < 0:
             raise ValueError(f"--{_flag(name)} must be an integer >= 0; got {v!r}")
@@ -133,6 +137,9 @@ def _validate(c: TrainConfig) -> None:
     if c.ahead_loss and c.mode != "organism":
         raise ValueError("--ahead-loss trains the organism's top states to predict two "
                          "tokens ahead; it needs --mode organism")
+    if c.short_first and c.mode != "organism":
+        raise ValueError("--short-first draws the organism's short task rows first; it needs "
+                         "--mode organism")
     if not c.answer_weight > 0:
         raise ValueError(f"--answer-weight must be > 0; got {c.answer_weight}")
     for name in ("mixin", "fixed_point", "lr_floor"):

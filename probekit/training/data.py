@@ -41,17 +41,30 @@ class TrainData:
     #: the task of each ``val`` batch (organism mode), so validation reports accuracy per
     #: task; empty: one pool (gate mode's Wikipedia windows)
     val_tasks: tuple[str, ...] = ()
+    #: rows of at most this many tokens are short: the only rows of ``batch(...,
+    #: short=True)`` (organism mode: the longest validation row); None: every row is
+    short_len: int | None = None
 
     def __post_init__(self) -> None:
         self._by_length = sorted(range(len(self.train)), key=lambda i: len(self.train[i]))
+        self.n_short = (len(self.train) if self.short_len is None else
+                        sum(len(r) <= self.short_len for r in self.train))
 
-    def batch(self, size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    def batch(self, size: int, generator: torch.Generator,
+              short: bool = False) -> tuple[Tensor, Tensor]:
+        """``size`` rows (fewer when bucketed rows exceed ``max_tokens``); ``short``: only
+        rows of at most ``short_len`` tokens. Either way the generator gives one draw, so
+        the short stage leaves later steps' random streams alone."""
+        pool = self.n_short if short else len(self.train)
         if self.bucket:  # `size` neighbours in length order, from a random start
-            start = int(torch.randint(0, len(self.train), (1,), generator=generator))
-            idx = self._by_length[start: start + size]  # shorter at the long end: every
-            if self.max_tokens is not None:              # row can be drawn
-                fit = max(1, self.max_tokens // len(self.train[idx[-1]]))
+            start = int(torch.randint(0, pool, (1,), generator=generator))
+            idx = self._by_length[start: min(start + size, pool)]  # shorter at the long
+            if self.max_tokens is not None:                         # end: every row can
+                fit = max(1, self.max_tokens // len(self.train[idx[-1]]))  # be drawn
                 idx = idx[:fit]  # keep the shortest rows that fit the budget
+        elif short:
+            idx = [self._by_length[i] for i in
+                   torch.randint(0, pool, (size,), generator=generator).tolist()]
         else:
             idx = torch.randint(0, len(self.train), (size,), generator=generator).tolist()
         return pad_batch([self.train[i] for i in idx], self.pad_id)
@@ -108,7 +121,7 @@ def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int
         val += batches
         val_tasks += [task] * len(batches)
     return TrainData(rows, val, pad_id=pad, bucket=True, max_tokens=max_tokens,
-                     val_tasks=tuple(val_tasks),
+                     val_tasks=tuple(val_tasks), short_len=max(ids.shape[1] for ids, _ in val),
                      description={"tasks": list(tasks), "train_examples": len(rows),
                                   "val_examples": sum(len(ids) for ids, _ in val),
                                   **({"copy_rows": int(n_examples * copy_share),

@@ -115,9 +115,14 @@ class Recipe:
     def key(self) -> str:
         # the step count is no part of a run's identity (train-feedback resumes to more
         # steps), but it is of a trained organism's; so are the data constants
+        from probekit.training.organism import PROBE_DISTRACTORS
+
+        # --short-first's short rows are those no longer than the validation rows, whose
+        # null-update counts therefore shape its weights
+        short = {"short_rows_as_long_as": PROBE_DISTRACTORS} if self.train.short_first else {}
         return config_hash({"recipe": identity(self), "steps": self.train.steps,
                             "data": data_constants(self.data),
-                            "version": RECIPE_VERSION})
+                            "version": RECIPE_VERSION, **short})
 
 
 def data_constants(data: DataConfig) -> dict[str, Any]:

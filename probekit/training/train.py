@@ -2,7 +2,8 @@
 
 :func:`train` minimises the multi-pass objective (:mod:`probekit.training.objective`)
 with AdamW, linear warm-up and cosine decay to ``--lr-floor`` (default 10%) of the peak
-rate. Modes:
+rate; ``--short-first`` steps at the start train on short rows only (a length curriculum).
+Modes:
 
 - ``gate``: only the gate trains; the pretrained model is frozen. Pass 1 then does not
   depend on any trainable weight, so it runs without gradients, and a one-pass batch
@@ -132,6 +133,10 @@ def train(
     head = ahead_head(hf, config.seed) if config.ahead_loss else None
     if head is not None:
         trainable += [(f"ahead.{n}", p) for n, p in head.named_parameters()]
+    if config.short_first and not data.n_short:
+        raise ValueError(f"--short-first draws rows of at most {data.short_len} tokens (the "
+                         f"validation rows' length) and the training rows have none; "
+                         f"train on 0-8 null updates too, or drop --short-first")
     opt = make_optimizer(trainable, config)
     start, history = 0, []
     if (ckpt / "config.json").is_file():
@@ -148,7 +153,7 @@ def train(
     t0, t_done = time.time(), (history[-1]["time"] if history else 0.0)
     for step in bar:
         g = step_generator(config.seed, step)
-        ids, valid = data.batch(config.batch_size, g)
+        ids, valid = data.batch(config.batch_size, g, short=step < config.short_first)
         K = draw_passes(config.schedule, g) if step >= config.feedback_start else 1
         # drawn only when asked for, so that other recipes keep their random stream
         fixed = (config.fixed_point > 0 and step >= config.feedback_start
