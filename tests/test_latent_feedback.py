@@ -606,7 +606,6 @@ def test_short_first_trains_its_first_steps_on_short_rows_and_resumes_exactly(tm
     """--short-first N: steps 0..N-1 draw only rows of at most short_len tokens, later
     steps every row; a training resumed across the boundary ends with the weights of an
     uninterrupted one, and the stage changes what is trained."""
-
     model, gate, _ = _tiny_organism_and_data()
     rows, short_len = _short_and_long_rows(model)
     pad = model.tokenizer.pad_token_id

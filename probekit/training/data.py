@@ -62,11 +62,9 @@ class TrainData:
             if self.max_tokens is not None:                         # end: every row can
                 fit = max(1, self.max_tokens // len(self.train[idx[-1]]))  # be drawn
                 idx = idx[:fit]  # keep the shortest rows that fit the budget
-        elif short:
-            idx = [self._by_length[i] for i in
-                   torch.randint(0, pool, (size,), generator=generator).tolist()]
-        else:
-            idx = torch.randint(0, len(self.train), (size,), generator=generator).tolist()
+        else:  # uniform draws; the short rows are the first `pool` of the length order
+            pick = self._by_length if short else range(len(self.train))
+            idx = [pick[i] for i in torch.randint(0, pool, (size,), generator=generator).tolist()]
         return pad_batch([self.train[i] for i in idx], self.pad_id)
 
 
