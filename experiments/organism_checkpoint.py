@@ -13,6 +13,8 @@ organism trained with a non-default schedule, fed-back state or task mix.
     python experiments/organism_checkpoint.py --seed 4 --copy-rows 0.5 --copy-from 0
     python experiments/organism_checkpoint.py --seed 0 --copy-rows 0.25 --ahead-loss 1
     python experiments/organism_checkpoint.py --seed 1 --copy-rows 0.5 --short-first 1500
+    python experiments/organism_checkpoint.py --seed 0 --copy-rows 0.25 --fixed-point 0.25 \
+        --fixed-point-rows long
     python experiments/organism_checkpoint.py --seed 0 --feed residual
     python experiments/organism_checkpoint.py --seed 0 --tasks registers
     python experiments/organism_checkpoint.py --seed 0 --tasks registers --d-model 256 \
@@ -54,6 +56,9 @@ class Args:
     """weight of the loss that predicts the token two ahead (default: the recipe's 0)"""
     short_first: int | None = None
     """first steps that train on short rows only (0-8 null updates; default: the recipe's 0)"""
+    fixed_point_rows: Literal["all", "long"] | None = None
+    """rows of the fixed-point batches: all, or long (16-256 null updates) only (default:
+    the recipe's all)"""
     feed: Literal["normed", "residual"] = "normed"
     """which top state is fed back"""
     tasks: tuple[Literal["completion", "memory", "registers"], ...] | None = None
@@ -72,7 +77,7 @@ class Args:
 
 #: Training flags that override the default recipe only when given.
 OVERRIDES = ("schedule", "steps", "lr", "lr_floor", "weight_decay", "feedback_start",
-             "fixed_point", "ahead_loss", "short_first")
+             "fixed_point", "ahead_loss", "short_first", "fixed_point_rows")
 
 
 def recipe_of(args: Args) -> Recipe:

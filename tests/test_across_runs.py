@@ -112,24 +112,27 @@ def test_organism_batches_keep_to_the_token_budget():
     assert max(sizes) == 4 and min(sizes) < 4  # whole windows, shorter at the long end
 
 
-def test_short_batches_draw_every_short_row_and_no_other_with_one_draw():
-    """batch(short=True) draws from the rows of at most short_len tokens only, every one of
-    them, and takes as much from the generator as batch() does: a short stage leaves the
-    random streams of the steps after it alone."""
+def test_short_and_long_batches_draw_every_row_of_their_kind_and_no_other_with_one_draw():
+    """batch(rows="short") draws from the rows of at most short_len tokens only, rows="long"
+    from the others only, every one of them, and each takes as much from the generator as
+    batch() does: a choice of rows at one step leaves the random streams of the others
+    alone."""
     from probekit.training.data import TrainData
 
     rows = [[1] * n for n in (5, 5, 6, 7, 40, 41, 300)]
     for bucket in (True, False):
-        data = TrainData(rows, [], pad_id=0, bucket=bucket, max_tokens=100, short_len=6)
+        data = TrainData(rows, [], pad_id=0, bucket=bucket, max_tokens=1000, short_len=6)
         assert data.n_short == 3
-        drawn = set()
+        drawn = {"short": set(), "long": set()}
         for seed in range(100):
-            g, h = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
-            ids, valid = data.batch(2, g, short=True)
+            h = torch.Generator().manual_seed(seed)
             data.batch(2, h)
-            assert torch.equal(g.get_state(), h.get_state())
-            drawn |= {int(n) for n in valid.sum(1) + 1}
-        assert drawn == {5, 6}
+            for kind in drawn:
+                g = torch.Generator().manual_seed(seed)
+                ids, valid = data.batch(2, g, kind)
+                assert torch.equal(g.get_state(), h.get_state())
+                drawn[kind] |= {int(n) for n in valid.sum(1) + 1}
+        assert drawn == {"short": {5, 6}, "long": {7, 40, 41, 300}}
     assert TrainData(rows, [], pad_id=0).n_short == len(rows)  # no short_len: every row
 
 

@@ -617,9 +617,9 @@ def test_short_first_trains_its_first_steps_on_short_rows_and_resumes_exactly(tm
     widths = []
     real = data.batch
 
-    def spy(size, generator, short=False):
-        ids, valid = real(size, generator, short)
-        widths.append((short, int(valid.sum(1).max()) + 1))
+    def spy(size, generator, rows="all"):
+        ids, valid = real(size, generator, rows)
+        widths.append((rows == "short", int(valid.sum(1).max()) + 1))
         return ids, valid
 
     monkeypatch.setattr(data, "batch", spy)
@@ -641,6 +641,69 @@ def test_short_first_trains_its_first_steps_on_short_rows_and_resumes_exactly(tm
     plain = trained(8, "plain", short_first=0)
     assert not all(torch.allclose(a, b, atol=1e-6) for a, b in
                    zip(straight, plain.hf_model.parameters(), strict=True))
+
+
+def test_fixed_point_rows_long_draws_the_fixed_point_batches_from_long_rows_only(
+        tmp_path, monkeypatch):
+    """--fixed-point-rows long: each fixed-point batch is drawn again from the rows longer
+    than short_len (a second draw, after the pass count and the fixed-point coin); every
+    other batch, and every coin, is the one --fixed-point-rows all draws. Resuming is
+    exact, the short stage keeps its short rows, and the choice changes what is trained."""
+    model, gate, _ = _tiny_organism_and_data()
+    rows, short_len = _short_and_long_rows(model)
+    pad = model.tokenizer.pad_token_id
+    data = TrainData(rows, [pad_batch(rows, pad)], pad, bucket=True, short_len=short_len)
+    config = TrainConfig(mode="organism", steps=12, batch_size=4, lr=1e-2, warmup=2,
+                         lr_floor=1.0, eval_every=0, save_every=6, answer_weight=1.0,
+                         feedback_start=2, fixed_point=0.5, short_first=4)
+    real = data.batch
+
+    def drawn(folder, **kw):
+        """Each step's draws (rows asked for, row lengths) and the history's passes."""
+        draws = []
+
+        def spy(size, generator, rows="all"):
+            ids, valid = real(size, generator, rows)
+            draws.append((rows, sorted(int(n) for n in valid.sum(1) + 1)))
+            return ids, valid
+
+        monkeypatch.setattr(data, "batch", spy)
+        model, gate, _ = _tiny_organism_and_data()  # the same seeded initial weights
+        history = train(model, gate, data, dataclasses.replace(config, **kw),
+                        tmp_path / folder, progress=False)
+        monkeypatch.setattr(data, "batch", real)
+        return draws, [h["passes"] for h in history if "passes" in h], model
+
+    plain, plain_passes, plain_model = drawn("all")
+    long, passes, straight = drawn("long", fixed_point_rows="long")
+    assert passes == plain_passes  # the same coins
+    fixed_late = [s for s, p in enumerate(passes) if p == "full" and s >= 4]
+    assert fixed_late and any(p == "full" for p in passes[2:4])  # both kinds occur
+    firsts = [d for d in long if d[0] != "long"]
+    assert firsts == plain  # every step's first draw is the one without the option
+    seconds = [d for d in long if d[0] == "long"]
+    assert len(seconds) == len(fixed_late)  # only the fixed-point batches after the stage
+    assert all(min(lengths) > short_len for _, lengths in seconds)
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(
+        straight.hf_model.parameters(), plain_model.hf_model.parameters(), strict=True))
+    drawn("halves", fixed_point_rows="long", steps=6)
+    _, _, resumed = drawn("halves", fixed_point_rows="long")
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(
+        straight.hf_model.parameters(), resumed.hf_model.parameters(), strict=True))
+
+
+def test_fixed_point_rows_long_needs_long_rows(tmp_path):
+    model, gate, _ = _tiny_organism_and_data()
+    rows, _ = _short_and_long_rows(model)
+    data = TrainData(rows, [], model.tokenizer.pad_token_id, bucket=True, short_len=1000)
+    config = TrainConfig(mode="organism", steps=2, batch_size=4, fixed_point=0.5,
+                         fixed_point_rows="long")
+    with pytest.raises(ValueError, match=(
+            r"^--fixed-point-rows long draws rows longer than 1000 tokens \(the validation "
+            r"rows' length\) and the training rows have none; train on 16-256 null updates "
+            r"too, or drop --fixed-point-rows$")):
+        train(model, gate, data, config, tmp_path / "ck", progress=False)
+    assert not (tmp_path / "ck").exists()
 
 
 def test_short_first_needs_short_rows(tmp_path):
@@ -768,6 +831,11 @@ def test_train_config_validation():
     with pytest.raises(ValueError, match=(r"^--short-first draws the organism's short task rows "
                                           r"first; it needs --mode organism$")):
         TrainConfig(mode="gate", short_first=10)
+    for kw in ({"mode": "gate", "fixed_point": 0.5}, {"mode": "organism"}):
+        with pytest.raises(ValueError, match=(
+                r"^--fixed-point-rows long chooses the rows of the organism's fixed-point "
+                r"batches; it needs --mode organism and --fixed-point > 0$")):
+            TrainConfig(fixed_point_rows="long", **kw)
     assert TrainConfig(schedule=[0.5, 0.5]).max_passes == 2
 
 

@@ -147,6 +147,9 @@ def test_the_recipe_key_follows_every_field_that_decides_the_weights():
     assert small(feed="residual").key() != base.key()
     assert small(short_first=0).key() == base.key()
     assert small(short_first=5).key() != base.key()
+    assert small(fixed_point=0.5, fixed_point_rows="all").key() == small(fixed_point=0.5).key()
+    assert (small(fixed_point=0.5, fixed_point_rows="long").key()
+            != small(fixed_point=0.5).key())
     assert organism_folder(small(seed=3)).name.startswith("seed3-")
     with pytest.raises(ValueError, match="an organism recipe trains in organism mode, not gate"):
         Recipe(train=TrainConfig(mode="gate"))
@@ -183,15 +186,18 @@ def test_copy_rows_key_only_the_recipes_that_use_them(monkeypatch):
     assert copying.key() != before and plain.key() == "fbbf51d681"
 
 
-def test_the_validation_lengths_key_only_the_recipes_that_train_short_rows_first(monkeypatch):
-    """--short-first's rows are those no longer than the validation rows, so the probe
-    sets' null-update counts enter the key of a recipe with it, and only of such."""
+def test_the_validation_lengths_key_only_the_recipes_that_tell_rows_apart_by_them(monkeypatch):
+    """--short-first's rows are those no longer than the validation rows and
+    --fixed-point-rows long's those longer, so the probe sets' null-update counts enter
+    the key of a recipe with either, and only of such."""
     from probekit.training import organism
 
     plain, short = Recipe.default(0), Recipe.default(0, short_first=100)
-    before = short.key()
+    long = Recipe.default(0, fixed_point=0.5, fixed_point_rows="long")
+    before = short.key(), long.key()
     monkeypatch.setattr(organism, "PROBE_DISTRACTORS", (0, 16))
-    assert short.key() != before and plain.key() == "fbbf51d681"
+    assert short.key() != before[0] and long.key() != before[1]
+    assert plain.key() == "fbbf51d681"
 
 
 def test_copy_from_keys_only_the_recipes_that_change_it():

@@ -67,6 +67,10 @@ class TrainConfig:
     fixed_point: float = added_later(0.0)
     """probability that a batch after --feedback-start feeds back the exact full-recurrence
     state (token by token, no gradient) through one pass instead of Jacobi passes"""
+    fixed_point_rows: Literal["all", "long"] = added_later("all")
+    """organism mode: the rows of the --fixed-point batches: any (all) or only those longer
+    than the validation rows (long: 16-256 null updates), where full recurrence's feedback
+    chain is longest (the other batches keep every row)"""
     ahead_loss: float = added_later(0.0)
     """organism mode: weight of a second head's loss that predicts, from each position's
     top state, the token two ahead (multi-token prediction; 0: none)"""
@@ -140,6 +144,10 @@ def _validate(c: TrainConfig) -> None:
     if c.short_first and c.mode != "organism":
         raise ValueError("--short-first draws the organism's short task rows first; it needs "
                          "--mode organism")
+    if c.fixed_point_rows != "all" and not (c.mode == "organism" and c.fixed_point):
+        raise ValueError(f"--fixed-point-rows {c.fixed_point_rows} chooses the rows of the "
+                         f"organism's fixed-point batches; it needs --mode organism and "
+                         f"--fixed-point > 0")
     if not c.answer_weight > 0:
         raise ValueError(f"--answer-weight must be > 0; got {c.answer_weight}")
     for name in ("mixin", "fixed_point", "lr_floor"):

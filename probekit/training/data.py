@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -41,8 +42,9 @@ class TrainData:
     #: the task of each ``val`` batch (organism mode), so validation reports accuracy per
     #: task; empty: one pool (gate mode's Wikipedia windows)
     val_tasks: tuple[str, ...] = ()
-    #: rows of at most this many tokens are short: the only rows of ``batch(...,
-    #: short=True)`` (organism mode: the longest validation row); None: every row is
+    #: rows of at most this many tokens are short (organism mode: the longest validation
+    #: row); ``batch(..., rows="short")`` draws only those, ``rows="long"`` only the others;
+    #: None: every row is short
     short_len: int | None = None
 
     def __post_init__(self) -> None:
@@ -51,20 +53,22 @@ class TrainData:
                         sum(len(r) <= self.short_len for r in self.train))
 
     def batch(self, size: int, generator: torch.Generator,
-              short: bool = False) -> tuple[Tensor, Tensor]:
-        """``size`` rows (fewer when bucketed rows exceed ``max_tokens``); ``short``: only
-        rows of at most ``short_len`` tokens. Either way the generator gives one draw, so
-        the short stage leaves later steps' random streams alone."""
-        pool = self.n_short if short else len(self.train)
+              rows: Literal["all", "short", "long"] = "all") -> tuple[Tensor, Tensor]:
+        """``size`` rows (fewer when bucketed rows exceed ``max_tokens``) of ``rows``: every
+        row, the short ones (at most ``short_len`` tokens) or the long ones. Each takes the
+        same draws from the generator, so a choice of rows at one step leaves the random
+        streams of the others alone."""
+        lo, hi = {"all": (0, len(self.train)), "short": (0, self.n_short),
+                  "long": (self.n_short, len(self.train))}[rows]
         if self.bucket:  # `size` neighbours in length order, from a random start
-            start = int(torch.randint(0, pool, (1,), generator=generator))
-            idx = self._by_length[start: min(start + size, pool)]  # shorter at the long
-            if self.max_tokens is not None:                         # end: every row can
+            start = int(torch.randint(lo, hi, (1,), generator=generator))
+            idx = self._by_length[start: min(start + size, hi)]  # shorter at the long
+            if self.max_tokens is not None:                       # end: every row can
                 fit = max(1, self.max_tokens // len(self.train[idx[-1]]))  # be drawn
                 idx = idx[:fit]  # keep the shortest rows that fit the budget
-        else:  # uniform draws; the short rows are the first `pool` of the length order
-            pick = self._by_length if short else range(len(self.train))
-            idx = [pick[i] for i in torch.randint(0, pool, (size,), generator=generator).tolist()]
+        else:  # uniform draws; the length order's first n_short rows are the short ones
+            pick = range(len(self.train)) if rows == "all" else self._by_length
+            idx = [pick[i] for i in torch.randint(lo, hi, (size,), generator=generator).tolist()]
         return pad_batch([self.train[i] for i in idx], self.pad_id)
 
 

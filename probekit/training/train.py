@@ -2,7 +2,8 @@
 
 :func:`train` minimises the multi-pass objective (:mod:`probekit.training.objective`)
 with AdamW, linear warm-up and cosine decay to ``--lr-floor`` (default 10%) of the peak
-rate; ``--short-first`` steps at the start train on short rows only (a length curriculum).
+rate; ``--short-first`` steps at the start train on short rows only (a length curriculum),
+and ``--fixed-point-rows long`` draws the fixed-point batches from the long rows only.
 Modes:
 
 - ``gate``: only the gate trains; the pretrained model is frozen. Pass 1 then does not
@@ -137,6 +138,10 @@ def train(
         raise ValueError(f"--short-first draws rows of at most {data.short_len} tokens (the "
                          f"validation rows' length) and the training rows have none; "
                          f"train on 0-8 null updates too, or drop --short-first")
+    if config.fixed_point_rows == "long" and data.n_short == len(data.train):
+        raise ValueError(f"--fixed-point-rows long draws rows longer than {data.short_len} "
+                         f"tokens (the validation rows' length) and the training rows have "
+                         f"none; train on 16-256 null updates too, or drop --fixed-point-rows")
     opt = make_optimizer(trainable, config)
     start, history = 0, []
     if (ckpt / "config.json").is_file():
@@ -153,11 +158,14 @@ def train(
     t0, t_done = time.time(), (history[-1]["time"] if history else 0.0)
     for step in bar:
         g = step_generator(config.seed, step)
-        ids, valid = data.batch(config.batch_size, g, short=step < config.short_first)
+        short = step < config.short_first
+        ids, valid = data.batch(config.batch_size, g, "short" if short else "all")
         K = draw_passes(config.schedule, g) if step >= config.feedback_start else 1
         # drawn only when asked for, so that other recipes keep their random stream
         fixed = (config.fixed_point > 0 and step >= config.feedback_start
                  and float(torch.rand((), generator=g)) < config.fixed_point)
+        if fixed and config.fixed_point_rows == "long" and not short:  # a second draw,
+            ids, valid = data.batch(config.batch_size, g, "long")  # after the others'
         lr = lr_at(step, config)
         for group in opt.param_groups:
             group["lr"] = lr
