@@ -692,29 +692,21 @@ def test_fixed_point_rows_long_draws_the_fixed_point_batches_from_long_rows_only
         straight.hf_model.parameters(), resumed.hf_model.parameters(), strict=True))
 
 
-def test_fixed_point_rows_long_needs_long_rows(tmp_path):
+@pytest.mark.parametrize("short_len, kw, message", [
+    (3, {"short_first": 1},
+     r"^--short-first draws rows of at most 3 tokens \(the validation rows' length\) and "
+     r"the training rows have none; train on 0-8 null updates too, or drop --short-first$"),
+    (1000, {"fixed_point": 0.5, "fixed_point_rows": "long"},
+     r"^--fixed-point-rows long draws rows longer than 1000 tokens \(the validation rows' "
+     r"length\) and the training rows have none; train on 16-256 null updates too, or drop "
+     r"--fixed-point-rows$"),
+])
+def test_a_stage_of_short_or_long_rows_needs_such_rows(tmp_path, short_len, kw, message):
     model, gate, _ = _tiny_organism_and_data()
     rows, _ = _short_and_long_rows(model)
-    data = TrainData(rows, [], model.tokenizer.pad_token_id, bucket=True, short_len=1000)
-    config = TrainConfig(mode="organism", steps=2, batch_size=4, fixed_point=0.5,
-                         fixed_point_rows="long")
-    with pytest.raises(ValueError, match=(
-            r"^--fixed-point-rows long draws rows longer than 1000 tokens \(the validation "
-            r"rows' length\) and the training rows have none; train on 16-256 null updates "
-            r"too, or drop --fixed-point-rows$")):
-        train(model, gate, data, config, tmp_path / "ck", progress=False)
-    assert not (tmp_path / "ck").exists()
-
-
-def test_short_first_needs_short_rows(tmp_path):
-    model, gate, _ = _tiny_organism_and_data()
-    rows, _ = _short_and_long_rows(model)
-    data = TrainData(rows, [], model.tokenizer.pad_token_id, bucket=True, short_len=3)
-    config = TrainConfig(mode="organism", steps=2, batch_size=4, short_first=1)
-    with pytest.raises(ValueError, match=(
-            r"^--short-first draws rows of at most 3 tokens \(the validation rows' length\) and "
-            r"the training rows have none; train on 0-8 null updates too, or drop "
-            r"--short-first$")):
+    data = TrainData(rows, [], model.tokenizer.pad_token_id, bucket=True, short_len=short_len)
+    config = TrainConfig(mode="organism", steps=2, batch_size=4, **kw)
+    with pytest.raises(ValueError, match=message):
         train(model, gate, data, config, tmp_path / "ck", progress=False)
     assert not (tmp_path / "ck").exists()
 
