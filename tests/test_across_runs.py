@@ -121,7 +121,7 @@ def test_short_and_long_batches_draw_every_row_of_their_kind_and_no_other_with_o
 
     rows = [[1] * n for n in (5, 5, 6, 7, 40, 41, 300)]
     for bucket in (True, False):
-        data = TrainData(rows, [], pad_id=0, bucket=bucket, max_tokens=1000, short_len=6)
+        data = TrainData(rows, [], pad_id=0, bucket=bucket, max_tokens=100, short_len=6)
         assert data.n_short == 3
         drawn = {"short": set(), "long": set()}
         for seed in range(100):
