@@ -30,6 +30,14 @@ from probekit.training.organism_cache import Recipe, organism_record
 
 #: The paper's depth-0 probe accuracy under full recurrent prefill (Sec. 4.4, Fig. 7a).
 PAPER = {"completion": 0.996, "memory": 1.0}
+#: The issue's targets for every seed, task and length (docs/latent-feedback.md, Fig. 7a):
+#: the depth-0 probe and the organism's own answers under full recurrent prefill at least
+#: TARGET, the depth-0 probe under standard prefill at most NEAR_CHANCE.
+TARGET = 0.99
+NEAR_CHANCE = 0.6
+#: Probe accuracies are fold means of counts (317/320 = 0.990625): compare with slack for
+#: the float sum, not for a miss.
+_EPS = 1e-9
 TASKS = ("completion", "memory")
 #: What writes the run folders this script reads; its errors say to run it.
 PRODUCER = "experiments/latent_feedback_organism.sh with the same SEEDS and COUNTS"
@@ -134,11 +142,34 @@ def collect(args: Args) -> dict[str, Any]:
         verdicts[task] = {
             "paper_depth0_full": PAPER[task],
             "worst_seed_depth0_full": min(full0), "best_seed_depth0_none": max(none0),
-            "reproduces": min(full0) >= 0.99 and max(none0) <= 0.6,
+            "reproduces": min(full0) >= TARGET - _EPS and max(none0) <= NEAR_CHANCE,
         }
-    return {"seeds": list(args.seeds), "counts": list(args.counts),
-            "recipe_changes": changes[args.seeds[0]], "organisms": organisms,
-            "verdicts": verdicts, "compute_seconds": seconds, "results": table}
+    out = {"seeds": list(args.seeds), "counts": list(args.counts),
+           "recipe_changes": changes[args.seeds[0]], "organisms": organisms,
+           "verdicts": verdicts, "compute_seconds": seconds, "results": table}
+    out["per_seed"] = seed_verdicts(out)
+    return out
+
+
+def seed_verdicts(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each seed against the targets (:data:`TARGET`, :data:`NEAR_CHANCE`), from a Fig. 7a
+    JSON's (or :func:`collect`'s) ``seeds`` and ``results``: the worst depth-0 probe and
+    answers under ``full`` and the best depth-0 probe under ``none`` per task over every
+    length, and ``meets_targets``, whether all of them hold."""
+    verdicts = {}
+    for i, seed in enumerate(out["seeds"]):
+        worst: dict[str, dict[str, float]] = {}
+        for task, rows in out["results"].items():
+            worst[task] = {
+                "depth0_full_min": min(r["full"]["probe_per_run"][i][0] for r in rows.values()),
+                "answers_full_min": min(r["full"]["model_accuracy_per_run"][i]
+                                        for r in rows.values()),
+                "depth0_none_max": max(r["none"]["probe_per_run"][i][0] for r in rows.values()),
+            }
+        meets = all(w["depth0_full_min"] >= TARGET - _EPS and w["answers_full_min"] >= TARGET - _EPS
+                    and w["depth0_none_max"] <= NEAR_CHANCE for w in worst.values())
+        verdicts[str(seed)] = {"meets_targets": meets, **worst}
+    return verdicts
 
 
 def _describe(changes: dict[str, Any]) -> str:
@@ -166,6 +197,10 @@ def main() -> int:
         print(f"{task}: depth-0 probe under full recurrence >= {v['worst_seed_depth0_full']:.3f} "
               f"at every length and seed (paper {v['paper_depth0_full']}); under standard "
               f"prefill <= {v['best_seed_depth0_none']:.3f}")
+    passed = [s for s, v in out["per_seed"].items() if v["meets_targets"]]
+    print(f"seeds meeting every target (>= {TARGET} at depth 0 and answered under full, "
+          f"<= {NEAR_CHANCE} at depth 0 under none, both tasks, every length): "
+          f"{', '.join(passed) or 'none'} ({len(passed)} of {len(out['seeds'])})")
     print(f"wrote {args.out / args.name}.png and .json")
     return 0
 

@@ -23,7 +23,8 @@ from probekit.training.organism_cache import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
-from fig7a import recipe_changes  # noqa: E402
+from fig7a import recipe_changes, seed_verdicts  # noqa: E402
+from fig7a_recipes import HEADER, committed_figures, flags, table  # noqa: E402
 from organism_checkpoint import Args, recipe_of  # noqa: E402
 
 SCRIPT = ROOT / "experiments" / "latent_feedback_organism.sh"
@@ -127,6 +128,9 @@ def test_a_recipe_figure_shows_that_recipes_cached_organisms_under_its_own_name(
     assert set(out["results"]["memory"]["0"]) == {"none", "last-1", "full"}
     assert "organisms: shape.d_mlp 64, shape.d_model 32, shape.n_blocks 2, shape.n_heads 2, " \
            "steps 2" in done.stdout
+    # each seed against the targets, in the JSON and the output (a 2-step organism meets none)
+    assert out["per_seed"] == seed_verdicts(out) and not out["per_seed"]["0"]["meets_targets"]
+    assert "every length): none (0 of 1)" in done.stdout
 
 
 def test_a_bad_recipe_flag_stops_the_script_before_any_run(tmp_path):
@@ -206,3 +210,72 @@ def test_fig7a_errors_name_the_run_and_say_what_to_do(recipe_run, tmp_path):
         f"experiments/latent_feedback_organism.sh with the same SEEDS and COUNTS (its "
         f"finished parts are reused)")
     assert not out.exists()
+
+
+def _results(full: dict, answers: dict, none: dict) -> dict:
+    """A Fig. 7a JSON's seeds and results: ``{(task, count): [per-seed value]}`` for the
+    depth-0 probe under full and none and the answers under full (depth 1 at 0.5)."""
+    results: dict = {}
+    for (task, count), probe in full.items():
+        results.setdefault(task, {})[str(count)] = {
+            "full": {"probe_per_run": [[p, 0.5] for p in probe],
+                     "model_accuracy_per_run": answers[task, count]},
+            "none": {"probe_per_run": [[p, 0.5] for p in none[task, count]],
+                     "model_accuracy_per_run": [0.5] * len(probe)}}
+    return {"seeds": [0, 4, 7], "results": results}
+
+
+def test_seed_verdicts_hold_each_seed_to_every_target_at_every_length():
+    cells = [("completion", 0), ("completion", 256), ("memory", 0)]
+    full = {c: [317 / 320, 0.99, 1.0] for c in cells}
+    answers = {c: [0.990625, 1.0, 1.0] for c in cells}
+    none = {c: [0.5, 0.5, 0.5] for c in cells}
+    full["completion", 256] = [1.0, 0.99, 0.984375]      # seed 7 misses the probe, once
+    answers["memory", 0] = [1.0, 0.984375, 1.0]          # seed 4 misses memory's answers
+    verdicts = seed_verdicts(_results(full, answers, none))
+    assert [v["meets_targets"] for v in verdicts.values()] == [True, False, False]
+    assert verdicts["7"]["completion"] == {"depth0_full_min": 0.984375,
+                                           "answers_full_min": 1.0, "depth0_none_max": 0.5}
+    assert verdicts["4"]["memory"]["answers_full_min"] == 0.984375
+    none["completion", 0] = [0.61, 0.5, 0.5]  # readable under standard prefill: a miss too
+    answers["memory", 0] = [1.0, 1.0, 1.0]
+    full["completion", 256] = [1.0, 0.99, 1.0]
+    verdicts = seed_verdicts(_results(full, answers, none))
+    assert [v["meets_targets"] for v in verdicts.values()] == [False, True, True]
+
+
+def test_the_recipe_flags_are_organism_checkpoints():
+    assert flags({"data.copy_rows": 0.25, "steps": 4500, "train.ahead_loss": 4.0,
+                  "train.fixed_point_rows": "long", "shape.n_blocks": 6}) == (
+        "--copy-rows 0.25 --steps 4500 --ahead-loss 4 --fixed-point-rows long --n-blocks 6")
+    recipe = recipe_of(tyro.cli(Args, args=["--seed", "2", *flags(
+        recipe_changes({"recipe": identity(Recipe.long_range(2)), "steps": 4500}, 2)).split()]))
+    assert recipe == Recipe.long_range(2)
+    assert flags({}) == "the default recipe" and flags(None) == "not recorded"
+
+
+def test_the_docs_table_of_recipes_is_the_scripts_output_on_the_committed_figures():
+    doc = (ROOT / "docs" / "latent-feedback.md").read_text().splitlines()
+    start = doc.index(HEADER.splitlines()[0])
+    rows = doc[start:doc.index("", start)]
+    # every committed recipe figure, recomputed: none left out, no number copied by hand
+    figures = committed_figures()
+    assert len(figures) >= 14 and figures[0].name == "latent-feedback-fig7a.json"
+    assert "\n".join(rows) == table(figures)
+
+
+def test_fig7a_recipes_errors_name_the_file(tmp_path):
+    def run(*paths):
+        return subprocess.run([sys.executable, str(ROOT / "experiments" / "fig7a_recipes.py"),
+                               *map(str, paths)], capture_output=True, text=True, timeout=60)
+    done = run(tmp_path / "missing.json")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (f"fig7a_recipes: error: {tmp_path}/missing.json: cannot read it "
+                           f"(No such file or directory); give the .json files "
+                           f"experiments/fig7a.py writes\n")
+    other = tmp_path / "headline.json"
+    other.write_text(json.dumps({"seeds": [0]}))
+    done = run(ROOT / "figures" / "latent-feedback-fig7a.json", other)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (f"fig7a_recipes: error: {other} is not a Fig. 7a JSON (KeyError: "
+                           f"'results'); give the .json files experiments/fig7a.py writes\n")
