@@ -68,22 +68,23 @@ def row(path: Path, link: str) -> str:
     try:
         data = json.loads(text)
         per_seed = seed_verdicts(data)
-    except (ValueError, KeyError, IndexError, TypeError) as e:
+        kernels = sorted({o.get("machine", {}).get("cpu_capability", "not recorded")
+                          for o in data["organisms"].values()})
+        completion = [v["completion"] for v in per_seed.values()]
+        memory = [v["memory"] for v in per_seed.values()]
+        worst = (min(c["depth0_full_min"] for c in completion),
+                 min(c["answers_full_min"] for c in completion),
+                 min(min(m["depth0_full_min"], m["answers_full_min"]) for m in memory))
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} is not a Fig. 7a JSON ({type(e).__name__}: {e}); give the "
                          f".json files experiments/fig7a.py writes") from None
-    kernels = sorted({o.get("machine", {}).get("cpu_capability", "not recorded")
-                      for o in data["organisms"].values()})
     seeds = data["seeds"]
     passed = [s for s, v in per_seed.items() if v["meets_targets"]]
-    completion = [v["completion"] for v in per_seed.values()]
-    memory = [v["memory"] for v in per_seed.values()]
-    mem_worst = min(min(m["depth0_full_min"], m["answers_full_min"]) for m in memory)
     which = f" ({', '.join(passed)})" if passed else ""
     return (f"| `{flags(data.get('recipe_changes'))}` | [figure]({link}/{path.stem}.png) | "
             f"{', '.join(kernels)} | {', '.join(map(str, seeds))} | "
             f"**{len(passed)} of {len(seeds)}**{which} | "
-            f"{min(c['depth0_full_min'] for c in completion):.3f} | "
-            f"{min(c['answers_full_min'] for c in completion):.3f} | {mem_worst:.3f} |")
+            + " | ".join(f"{x:.3f}" for x in worst) + " |")
 
 
 def table(paths: tuple[Path, ...], link: str = "../figures") -> str:

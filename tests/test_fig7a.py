@@ -279,3 +279,11 @@ def test_fig7a_recipes_errors_name_the_file(tmp_path):
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == (f"fig7a_recipes: error: {other} is not a Fig. 7a JSON (KeyError: "
                            f"'results'); give the .json files experiments/fig7a.py writes\n")
+    # a figure of one task only
+    fig = json.loads((ROOT / "figures" / "latent-feedback-fig7a.json").read_text())
+    del fig["results"]["memory"]
+    other.write_text(json.dumps(fig))
+    done = run(other)
+    assert done.returncode == 2 and done.stderr == (
+        f"fig7a_recipes: error: {other} is not a Fig. 7a JSON (KeyError: 'memory'); give the "
+        f".json files experiments/fig7a.py writes\n")
