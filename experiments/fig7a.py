@@ -135,20 +135,24 @@ def collect(args: Args) -> dict[str, Any]:
         organisms[s]["folder"] = folder.name
         # the first validation step at >= 0.9 per task and pass count (the seal verified it)
         organisms[s]["solved_at"] = solved_at(read_history(folder / "checkpoint"))
+    per_seed = seed_verdicts({"seeds": list(args.seeds), "results": table})
     verdicts = {}
-    for task, rows in table.items():
-        full0 = [r["full"]["probe_min"][0] for r in rows.values()]
-        none0 = [r["none"]["probe_max"][0] for r in rows.values()]
+    for task in table:
+        worst_full = min(v[task]["depth0_full_min"] for v in per_seed.values())
+        best_none = max(v[task]["depth0_none_max"] for v in per_seed.values())
         verdicts[task] = {
             "paper_depth0_full": PAPER[task],
-            "worst_seed_depth0_full": min(full0), "best_seed_depth0_none": max(none0),
-            "reproduces": min(full0) >= TARGET - _EPS and max(none0) <= NEAR_CHANCE,
+            "worst_seed_depth0_full": worst_full, "best_seed_depth0_none": best_none,
+            "reproduces": _at_target(worst_full) and best_none <= NEAR_CHANCE,
         }
-    out = {"seeds": list(args.seeds), "counts": list(args.counts),
-           "recipe_changes": changes[args.seeds[0]], "organisms": organisms,
-           "verdicts": verdicts, "compute_seconds": seconds, "results": table}
-    out["per_seed"] = seed_verdicts(out)
-    return out
+    return {"seeds": list(args.seeds), "counts": list(args.counts),
+            "recipe_changes": changes[args.seeds[0]], "organisms": organisms,
+            "verdicts": verdicts, "compute_seconds": seconds, "results": table,
+            "per_seed": per_seed}
+
+
+def _at_target(accuracy: float) -> bool:
+    return accuracy >= TARGET - _EPS
 
 
 def seed_verdicts(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -166,7 +170,7 @@ def seed_verdicts(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
                                         for r in rows.values()),
                 "depth0_none_max": max(r["none"]["probe_per_run"][i][0] for r in rows.values()),
             }
-        meets = all(w["depth0_full_min"] >= TARGET - _EPS and w["answers_full_min"] >= TARGET - _EPS
+        meets = all(_at_target(w["depth0_full_min"]) and _at_target(w["answers_full_min"])
                     and w["depth0_none_max"] <= NEAR_CHANCE for w in worst.values())
         verdicts[str(seed)] = {"meets_targets": meets, **worst}
     return verdicts
