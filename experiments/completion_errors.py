@@ -13,7 +13,11 @@ task accuracy is measured on; 80 groups are Fig. 7a's. Every pair of these sets 
 out of training (``probekit.training.organism.held_out_pairs``). A pair has four
 assignments (``required`` / ``completed`` = a/b, a/a, b/a, b/b); ``24-99 (2/4)`` means two
 of them were answered wrongly. The 95% interval resamples pairs (the four assignments of a
-pair fail together more often than apart), with ``scipy.stats.bootstrap``.
+pair fail together more often than apart), with ``scipy.stats.bootstrap``. The last column
+gives each missed pair's cosine between the two numerals' input embeddings
+(``probekit.training.organism.numeral_cosines``) and, in brackets, the percentage of the
+4,005 numeral pairs whose numerals lie further apart: ``0.64 (98%)`` is a pair the
+organism keeps closer than 98% of all pairs.
 """
 
 from __future__ import annotations
@@ -77,12 +81,28 @@ def pair_interval(right: np.ndarray) -> tuple[float, float]:
     return float(ci.low), float(ci.high)
 
 
+def closeness(cosines: np.ndarray, a: int, b: int) -> str:
+    """``"0.64 (98%)"``: the cosine of numerals ``a`` and ``b`` in ``cosines`` (10..99's,
+    :func:`probekit.training.organism.numeral_cosines`) and the share of all numeral pairs
+    with a smaller one."""
+    from synthetic.completion import NUMERALS
+
+    i, j = NUMERALS.index(a), NUMERALS.index(b)
+    every = cosines[np.triu_indices(len(NUMERALS), 1)]
+    return f"{cosines[i, j]:.2f} ({100 * np.mean(every < cosines[i, j]):.0f}%)"
+
+
 def errors(checkpoint: Path, args: Args) -> list[tuple[int, str, float, tuple[float, float],
-                                                        str]]:
-    """(null updates, regime, accuracy, its 95% interval, missed pairs) of one organism."""
+                                                        str, str]]:
+    """(null updates, regime, accuracy, its 95% interval, missed pairs, their numerals'
+    closeness) of one organism."""
     from probekit.core.engine import StepEngine
     from probekit.training.checkpoint import load_checkpoint
-    from probekit.training.organism import completion_numerals, label_predictions
+    from probekit.training.organism import (
+        completion_numerals,
+        label_predictions,
+        numeral_cosines,
+    )
     from synthetic.completion import completion_dataset
     from synthetic.dataset import label_token_ids
 
@@ -90,11 +110,12 @@ def errors(checkpoint: Path, args: Args) -> list[tuple[int, str, float, tuple[fl
     tok, engine = ck.model.tokenizer, StepEngine(ck.model)
     data = completion_dataset(tok, n_groups=args.groups, distractors=args.null_updates, seed=0)
     ids = label_token_ids(tok, data.label_words)
-    pairs = {}  # group -> "a-b", from its a/b assignment
+    pairs = {}  # group -> (a, b), from its a/b assignment
     for ex in data.examples:
         req, comp = completion_numerals(ex.text)
         if req < comp:
-            pairs[ex.group] = f"{req}-{comp}"
+            pairs[ex.group] = (req, comp)
+    cosines = numeral_cosines(ck.model)
     out = []
     for d in args.null_updates:
         exs = [ex for ex in data.examples if ex.condition["distractors"] == d]
@@ -105,9 +126,11 @@ def errors(checkpoint: Path, args: Args) -> list[tuple[int, str, float, tuple[fl
         for regime in args.regimes:
             wrong = label_predictions(engine, ck.gate, rows, ids, regime) != labels
             right = np.stack([~wrong[groups == g] for g in order])  # [pairs, 4]
-            missed = ", ".join(f"{pairs[g]} ({n}/4)" for g, n in
-                               zip(order, (~right).sum(axis=1), strict=True) if n)
-            out.append((d, regime, 1 - wrong.mean(), pair_interval(right), missed or "-"))
+            missed = [(pairs[g], n) for g, n in zip(order, (~right).sum(axis=1), strict=True)
+                      if n]
+            out.append((d, regime, 1 - wrong.mean(), pair_interval(right),
+                        ", ".join(f"{a}-{b} ({n}/4)" for (a, b), n in missed) or "-",
+                        ", ".join(closeness(cosines, a, b) for (a, b), _ in missed) or "-"))
     return out
 
 
@@ -116,12 +139,12 @@ def main() -> int:
     problem = _problem(args)
     if problem:
         return usage_error(problem)
-    print("| organism | null updates | regime | accuracy | 95% interval | pairs missed |\n"
-          "|---|---|---|---|---|---|")
+    print("| organism | null updates | regime | accuracy | 95% interval | pairs missed | "
+          "their numerals' cosine (pairs further apart) |\n|---|---|---|---|---|---|---|")
     for ck in args.checkpoints:
-        for d, regime, acc, (low, high), missed in errors(ck, args):
-            print(f"| {ck} | {d} | {regime} | {acc:.3f} | {low:.3f}-{high:.3f} | {missed} |",
-                  flush=True)
+        for d, regime, acc, (low, high), missed, close in errors(ck, args):
+            print(f"| {ck} | {d} | {regime} | {acc:.3f} | {low:.3f}-{high:.3f} | {missed} | "
+                  f"{close} |", flush=True)
     return 0
 
 

@@ -15,6 +15,7 @@ organism trained with a non-default schedule, fed-back state or task mix.
     python experiments/organism_checkpoint.py --seed 1 --copy-rows 0.5 --short-first 1500
     python experiments/organism_checkpoint.py --seed 0 --copy-rows 0.25 --fixed-point 0.25 \
         --fixed-point-rows long
+    python experiments/organism_checkpoint.py --seed 0 --copy-rows 0.25 --recall-rows 0.25
     python experiments/organism_checkpoint.py --seed 0 --feed residual
     python experiments/organism_checkpoint.py --seed 0 --tasks registers
     python experiments/organism_checkpoint.py --seed 0 --tasks registers --d-model 256 \
@@ -69,6 +70,8 @@ class Args:
     """smallest numeral of the copy rows, which run to 99 (0: the digits too)"""
     long_rows: float = 1.0
     """times the default share of rows with 64-256 null updates (default 1)"""
+    recall_rows: float = 0.0
+    """numeral recall rows added, as a share of the task rows (default 0: none)"""
     n_examples: int | None = None
     """task rows to train on, drawn afresh (default: the recipe's 24000)"""
     shape: Annotated[OrganismConfig, FLAT] = OrganismConfig()
@@ -85,7 +88,8 @@ def recipe_of(args: Args) -> Recipe:
     extra = {k: getattr(args, k) for k in OVERRIDES if getattr(args, k) is not None}
     return Recipe.default(args.seed, tasks=args.tasks, shape=args.shape, feed=args.feed,
                           copy_rows=args.copy_rows, copy_from=args.copy_from,
-                          n_examples=args.n_examples, long_rows=args.long_rows, **extra)
+                          n_examples=args.n_examples, long_rows=args.long_rows,
+                          recall_rows=args.recall_rows, **extra)
 
 
 def main() -> int:

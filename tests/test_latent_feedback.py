@@ -986,6 +986,42 @@ def test_copy_rows_repeat_numerals_and_leave_the_task_rows_alone():
     assert sorted(mixed) == sorted(plain + copy_rows(tok, 10, seed=2))
 
 
+def test_recall_rows_ask_for_each_listed_numerals_successor():
+    """A recall row lists 4-8 distinct numerals of the completion range, then one line per
+    listed numeral but the last, in random order, holding it and its successor in the
+    list; the recall share adds such rows to unchanged task and copy rows, reproducibly."""
+    from probekit.training.organism import (
+        copy_rows,
+        fit_tokenizer,
+        recall_rows,
+        training_examples,
+    )
+    from synthetic.completion import NUMERALS
+
+    tok = fit_tokenizer()
+    rows = recall_rows(tok, 200, seed=3)
+    assert rows == recall_rows(tok, 200, seed=3) and rows != recall_rows(tok, 200, seed=4)
+    orders = set()
+    for row in rows:
+        listed, *queries = tok.decode(row).split("\n")
+        listed = [int(t) for t in listed.split()]
+        assert 4 <= len(listed) <= 8 and len(set(listed)) == len(listed)
+        assert set(listed) <= set(NUMERALS)
+        pairs = [tuple(int(t) for t in q.split()) for q in queries]
+        assert sorted(pairs) == sorted(zip(listed[:-1], listed[1:]))
+        orders.add(tuple(listed.index(a) for a, _ in pairs))
+    assert {len(r) for r in orders} == set(range(3, 8))
+    assert len(orders) > 100  # the queries come in random order, not the list's
+    plain = training_examples(tok, n_examples=40, seed=2, copy_share=0.25)
+    mixed = training_examples(tok, n_examples=40, seed=2, copy_share=0.25, recall_share=0.5)
+    assert len(mixed) == 70
+    assert sorted(mixed) == sorted(plain + recall_rows(tok, 20, seed=2))
+    only = training_examples(tok, n_examples=40, seed=2, recall_share=0.25)
+    assert sorted(only) == sorted(training_examples(tok, n_examples=40, seed=2)
+                                  + recall_rows(tok, 10, seed=2))
+    assert not set(map(tuple, only)) & set(map(tuple, copy_rows(tok, 10, seed=2)))
+
+
 def test_copy_rows_from_zero_copy_the_digits_too():
     """``low=0`` (--copy-from 0) draws the copied numerals from 0..99, among them memory's
     answers 0 and 1, with the same random stream as the default 10..99."""
@@ -1064,6 +1100,10 @@ def test_train_feedback_cli_writes_and_resumes(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (
         "probekit train-feedback: error: --copy-rows adds rows to the organism's task data; "
         "the gate trains on Wikipedia windows: drop it or use --mode organism")
+    assert main(args + ["--steps", "3", "--recall-rows", "0.25"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "probekit train-feedback: error: --recall-rows adds rows to the organism's task "
+        "data; the gate trains on Wikipedia windows: drop it or use --mode organism")
     assert main(args + ["--steps", "3", "--long-rows", "4"]) == 2
     assert capsys.readouterr().err.strip() == (
         "probekit train-feedback: error: --long-rows weights the organism's task rows; the "

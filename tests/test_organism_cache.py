@@ -18,6 +18,7 @@ from probekit.core import model_cache
 from probekit.training import organism_cache
 from probekit.training.config import DataConfig, OrganismConfig, TrainConfig
 from probekit.training.organism_cache import (
+    LONG_RANGE,
     Recipe,
     data_constants,
     organism_folder,
@@ -184,6 +185,21 @@ def test_copy_rows_key_only_the_recipes_that_use_them(monkeypatch):
     before = copying.key()
     monkeypatch.setattr(organism, "COPY_LENGTHS", (2, 3))
     assert copying.key() != before and plain.key() == "fbbf51d681"
+
+
+def test_recall_rows_key_only_the_recipes_that_use_them(monkeypatch):
+    """--recall-rows, like --copy-rows, enters a recipe's key (and its list lengths the
+    data constants) only when set: Fig. 7a's organisms keep theirs."""
+    from probekit.training import organism
+
+    long_range = Recipe.long_range(0)
+    recalling = Recipe.default(0, **{**LONG_RANGE, "recall_rows": 0.25})
+    assert long_range.key() == "233f7f362b" and recalling.key() != long_range.key()
+    assert "recall_lengths" not in data_constants(long_range.data)
+    assert data_constants(recalling.data)["recall_lengths"] == (4, 8)
+    before = recalling.key()
+    monkeypatch.setattr(organism, "RECALL_LENGTHS", (2, 3))
+    assert recalling.key() != before and long_range.key() == "233f7f362b"
 
 
 def test_the_validation_lengths_key_only_the_recipes_that_tell_rows_apart_by_them(monkeypatch):

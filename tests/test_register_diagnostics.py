@@ -90,6 +90,10 @@ def test_organism_checkpoint_flags_override_the_default_recipe_only_when_given()
     assert recipe_of(Args(copy_rows=0.0)).key() == "fbbf51d681"
     digits = recipe_of(Args(seed=4, copy_rows=0.5, copy_from=0))
     assert digits == Recipe.default(4, copy_rows=0.5, copy_from=0)
+    recalling = recipe_of(Args(seed=4, recall_rows=0.25))
+    assert recalling == Recipe.default(4, recall_rows=0.25)
+    assert recalling.data.recall_rows == 0.25 and recalling.key() != Recipe.default(4).key()
+    assert recipe_of(Args(recall_rows=0.0)).key() == "fbbf51d681"
 
 
 def test_numeral_collapse_tabulates_cosines_and_sealed_accuracy(organism_checkpoint):
@@ -115,8 +119,10 @@ def test_completion_errors_counts_the_sealed_accuracy_and_names_the_missed_pairs
     """The default set is the sealed probe set: each regime's accuracy over 0 and 8 null
     updates is task_accuracy's; every row's missed assignments account for its accuracy,
     and its pair-resampled interval holds it."""
+    import numpy as np
+
     from probekit.training.checkpoint import load_checkpoint
-    from probekit.training.organism import task_accuracy
+    from probekit.training.organism import numeral_cosines, task_accuracy
 
     out = run("completion_errors.py", str(organism_checkpoint))
     assert out.returncode == 0, out.stderr
@@ -129,11 +135,21 @@ def test_completion_errors_counts_the_sealed_accuracy_and_names_the_missed_pairs
         mine = [float(r[3]) for r in rows if r[2] == regime]
         assert sum(mine) / 2 == pytest.approx(sealed[regime], abs=1e-3)
     assert any(r[5] != "-" for r in rows)  # the untrained organism misses some
+    cosines = numeral_cosines(ck.model)
     for r in rows:
         missed = sum(int(n) for n in re.findall(r"\d+-\d+ \((\d)/4\)", r[5]))
         assert missed == round((1 - float(r[3])) * 64)  # 16 pairs x 4 assignments
         low, high = map(float, r[4].split("-"))
         assert low <= float(r[3]) <= high
+        # one closeness per missed pair: its numerals' cosine, and the pairs further apart
+        pairs = re.findall(r"(\d+)-(\d+) \(", r[5])
+        close = re.findall(r"(-?\d\.\d\d) \((\d+)%\)", r[6])
+        assert len(close) == len(pairs) and (r[6] == "-") == (not pairs)
+        upper = cosines[np.triu_indices(90, 1)]
+        for (a, b), (cos, pct) in zip(pairs, close, strict=True):
+            exact = cosines[int(a) - 10, int(b) - 10]
+            assert float(cos) == pytest.approx(exact, abs=0.005)
+            assert int(pct) == round(100 * np.mean(upper < exact))
 
 
 def test_pair_interval_resamples_pairs():
@@ -312,6 +328,8 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
     ("organism_checkpoint.py", ("--copy-from", "0"),
      "organism_checkpoint: error: --copy-from sets the copy rows' numerals; give "
      "--copy-rows too, or drop it"),
+    ("organism_checkpoint.py", ("--recall-rows", "1.5"),
+     "organism_checkpoint: error: --recall-rows must lie in [0, 1]; got 1.5"),
     ("organism_checkpoint.py", ("--long-rows", "-1"),
      "organism_checkpoint: error: --long-rows must be a finite number > 0; got -1.0"),
     ("organism_checkpoint.py", ("--n-examples", "10"),

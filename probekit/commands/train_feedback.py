@@ -35,6 +35,9 @@ class Config:
         if train.mode == "gate" and self.data.copy_rows:
             raise UsageError("--copy-rows adds rows to the organism's task data; the gate "
                              "trains on Wikipedia windows: drop it or use --mode organism")
+        if train.mode == "gate" and self.data.recall_rows:
+            raise UsageError("--recall-rows adds rows to the organism's task data; the gate "
+                             "trains on Wikipedia windows: drop it or use --mode organism")
         if train.mode == "gate" and self.data.long_rows != 1:
             raise UsageError("--long-rows weights the organism's task rows; the gate trains "
                              "on Wikipedia windows: drop it or use --mode organism")

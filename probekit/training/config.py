@@ -201,6 +201,10 @@ class DataConfig:
     copy_from: int = added_later(10)
     """smallest numeral of the copy rows, which run to 99: 10 copies completion's numerals
     only, 0 also the digits (memory answers with 0 or 1)"""
+    recall_rows: float = added_later(0.0)
+    """numeral recall rows (a list of numerals, then numerals of it with their successors)
+    added to the organism's rows, as a share of --n-examples: they train matching a
+    numeral against others, which completion's equality needs"""
     long_rows: float = added_later(1.0)
     """how many times the default share of long completion and memory rows (64, 128 and
     256 null updates) the organism trains on: 4 draws them four times as often"""
@@ -209,6 +213,8 @@ class DataConfig:
         check_fields(self)
         if not 0.0 <= self.copy_rows <= 1.0:
             raise ValueError(f"--copy-rows must lie in [0, 1]; got {self.copy_rows}")
+        if not 0.0 <= self.recall_rows <= 1.0:
+            raise ValueError(f"--recall-rows must lie in [0, 1]; got {self.recall_rows}")
         if not 0 <= self.copy_from <= 99:
             raise ValueError(f"--copy-from must lie in 0..99; got {self.copy_from}")
         if not 0 < self.long_rows < math.inf:  # NaN fails too

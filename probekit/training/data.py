@@ -99,9 +99,11 @@ def gate_data(model, seq_len: int, *, n_windows: int = 2048, val_windows: int = 
 def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int,
                   distractors: Sequence[int] | None = None,
                   max_tokens: int | None = None, copy_share: float = 0.0,
-                  copy_from: int = 10, long_rows: float = 1.0) -> TrainData:
-    """Task inputs + label words, and numeral copy rows of ``copy_from..99`` if
-    ``copy_share`` (:func:`probekit.training.organism.training_examples`); the validation
+                  copy_from: int = 10, long_rows: float = 1.0,
+                  recall_share: float = 0.0) -> TrainData:
+    """Task inputs + label words, numeral copy rows of ``copy_from..99`` if ``copy_share``
+    and numeral recall rows if ``recall_share``
+    (:func:`probekit.training.organism.training_examples`); the validation
     batches are the default probe sets with their labels. Without ``distractors`` the
     null-update counts are weighted by
     :func:`probekit.training.organism.train_distractors` of ``long_rows``."""
@@ -114,7 +116,8 @@ def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int
     kw = {"distractors": train_distractors(long_rows) if distractors is None
           else tuple(distractors)}
     rows = training_examples(tokenizer, tasks, n_examples=n_examples, seed=seed + 1,
-                             copy_share=copy_share, copy_from=copy_from, **kw)
+                             copy_share=copy_share, copy_from=copy_from,
+                             recall_share=recall_share, **kw)
     pad = tokenizer.pad_token_id
     val, val_tasks = [], []
     for task, task_rows in probe_rows_by_task(tokenizer, tasks).items():
@@ -128,4 +131,6 @@ def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int
                                   "val_examples": sum(len(ids) for ids, _ in val),
                                   **({"copy_rows": int(n_examples * copy_share),
                                       "copy_numerals": f"{copy_from}..99"}
-                                     if copy_share else {})})
+                                     if copy_share else {}),
+                                  **({"recall_rows": int(n_examples * recall_share)}
+                                     if recall_share else {})})

@@ -244,10 +244,11 @@ def training_examples(
     seed: int = 1,
     copy_share: float = 0.0,
     copy_from: int = 10,
+    recall_share: float = 0.0,
 ) -> list[list[int]]:
     """Token ids of ``n_examples`` training sequences (task input + ``" " + label``), and
     ``n_examples * copy_share`` numeral copy rows of ``copy_from..99`` (:func:`copy_rows`)
-    shuffled in.
+    and ``n_examples * recall_share`` numeral recall rows (:func:`recall_rows`) shuffled in.
 
     Each task gets its share of :data:`TASK_SHARES`, and within a task each distractor
     count a share
@@ -288,8 +289,11 @@ def training_examples(
     order = rng.permutation(len(texts))[:n_examples]
     ids = tokenizer([texts[i] for i in order], add_special_tokens=False)["input_ids"]
     rows = [list(x) for x in ids]
-    if copy_share:  # the task rows stay as they are; the copies are shuffled in
-        rows += copy_rows(tokenizer, int(n_examples * copy_share), seed, low=copy_from)
+    if copy_share or recall_share:  # the task rows stay as they are; these are shuffled in
+        if copy_share:
+            rows += copy_rows(tokenizer, int(n_examples * copy_share), seed, low=copy_from)
+        if recall_share:
+            rows += recall_rows(tokenizer, int(n_examples * recall_share), seed)
         order = np.random.default_rng(seed + 5).permutation(len(rows))
         rows = [rows[i] for i in order]
     return rows
@@ -318,6 +322,34 @@ def copy_rows(tokenizer, n: int, seed: int, low: int = 10) -> list[list[int]]:
         k = int(rng.integers(COPY_LENGTHS[0], COPY_LENGTHS[1] + 1))
         numerals = " ".join(str(x) for x in rng.integers(lo, hi + 1, k))
         texts.append(numerals + "\n" + numerals)
+    return [list(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+#: How many distinct numerals a recall row lists (:func:`recall_rows`), least and most.
+RECALL_LENGTHS = (4, 8)
+
+
+def recall_rows(tokenizer, n: int, seed: int) -> list[list[int]]:
+    """Token ids of ``n`` numeral recall rows: ``k`` distinct random numerals of
+    completion's range (10..99; ``k`` 4-8), then ``k - 1`` lines that each name one of
+    them and its successor in the list, every listed numeral but the last once, in random
+    order (``"41 97 13 55\n13 55\n41 97\n97 13"``).
+
+    Why: the successor can only be found by matching the queried numeral against the
+    list, token by token, while 3-7 other numerals compete for the match; a model that
+    confuses two numerals answers with the wrong successor. Completion's ``done`` is the
+    same match (is the completed numeral the required one?), and its remaining misses are
+    rows whose two different numerals the model takes for one (docs/latent-feedback.md,
+    "Recall rows"). A copy row (:func:`copy_rows`) can instead be copied by position.
+    The rows carry no task label and no completion pair as such; any two numerals, held-out
+    completion pairs among them, may share a list, as they may in copy rows."""
+    rng = np.random.default_rng(seed + 4343)
+    texts = []
+    for _ in range(n):
+        k = int(rng.integers(RECALL_LENGTHS[0], RECALL_LENGTHS[1] + 1))
+        listed = [int(NUMERALS[i]) for i in rng.choice(len(NUMERALS), k, replace=False)]
+        queries = [f"{listed[i]} {listed[i + 1]}" for i in rng.permutation(k - 1)]
+        texts.append("\n".join([" ".join(map(str, listed)), *queries]))
     return [list(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 

@@ -88,13 +88,14 @@ class Recipe:
     def default(cls, seed: int = 0, tasks: tuple[str, ...] | None = None,
                 shape: OrganismConfig | None = None, copy_rows: float = 0.0,
                 copy_from: int = 10, n_examples: int | None = None, long_rows: float = 1.0,
-                **train: Any) -> Recipe:
+                recall_rows: float = 0.0, **train: Any) -> Recipe:
         """The default recipe with training seed ``seed``, training ``tasks`` (None: the
         default two), organism ``shape`` (None: the default), a share of numeral
         ``copy_rows`` of ``copy_from..99``, ``n_examples`` task rows (None: the default),
-        ``long_rows`` times the default share of long rows, and any other ``TrainConfig``
-        field."""
+        ``long_rows`` times the default share of long rows, a share of numeral
+        ``recall_rows``, and any other ``TrainConfig`` field."""
         data = DataConfig(copy_rows=copy_rows, copy_from=copy_from, long_rows=long_rows,
+                          recall_rows=recall_rows,
                           **({} if tasks is None else {"tasks": tuple(tasks)}),
                           **({} if n_examples is None else {"n_examples": n_examples}))
         return cls(train=TrainConfig(mode="organism", seed=seed, **train), data=data,
@@ -152,6 +153,8 @@ def data_constants(data: DataConfig) -> dict[str, Any]:
         out["register_pad_rows"] = registers.TRAINING_PAD_ROWS
     if data.copy_rows:  # likewise only for recipes with copy rows
         out["copy_lengths"] = organism.COPY_LENGTHS
+    if data.recall_rows:  # and with recall rows
+        out["recall_lengths"] = organism.RECALL_LENGTHS
     return out
 
 
@@ -178,7 +181,8 @@ def train_organism(recipe: Recipe, checkpoint: str | Path, *, progress: bool = T
                              n_examples=recipe.data.n_examples, seed=tc.seed,
                              max_tokens=tc.batch_tokens, copy_share=recipe.data.copy_rows,
                              copy_from=recipe.data.copy_from,
-                             long_rows=recipe.data.long_rows)
+                             long_rows=recipe.data.long_rows,
+                             recall_share=recipe.data.recall_rows)
         gate = FeedbackGate.for_model(model, feed=tc.feed)
         started = time.perf_counter()
         history = train(model, gate, data, tc, checkpoint,
