@@ -202,7 +202,7 @@ class DataConfig:
     """smallest numeral of the copy rows, which run to 99: 10 copies completion's numerals
     only, 0 also the digits (memory answers with 0 or 1)"""
     recall_rows: float = added_later(0.0)
-    """numeral recall rows (a list of numerals, then numerals of it with their successors)
+    """numeral recall rows (a list of numerals, then each but the last with its successor)
     added to the organism's rows, as a share of --n-examples: they train matching a
     numeral against others, which completion's equality needs"""
     long_rows: float = added_later(1.0)

@@ -338,9 +338,10 @@ def recall_rows(tokenizer, n: int, seed: int) -> list[list[int]]:
     Why: the successor can only be found by matching the queried numeral against the
     list, token by token, while 3-7 other numerals compete for the match; a model that
     confuses two numerals answers with the wrong successor. Completion's ``done`` is the
-    same match (is the completed numeral the required one?), and its remaining misses are
-    rows whose two different numerals the model takes for one (docs/latent-feedback.md,
-    "Recall rows"). A copy row (:func:`copy_rows`) can instead be copied by position.
+    same match (is the completed numeral the required one?), and the long-range recipe's
+    last misses looked like rows whose two different numerals the model takes for one;
+    on two seeds the rows did not remove them (docs/latent-feedback.md, "Recall rows").
+    A copy row (:func:`copy_rows`) can instead be copied by position.
     The rows carry no task label and no completion pair as such; any two numerals, held-out
     completion pairs among them, may share a list, as they may in copy rows."""
     rng = np.random.default_rng(seed + 4343)
