@@ -22,6 +22,7 @@ import tyro
 from fig7a import seed_verdicts
 
 from probekit.commands.common import script_error
+from probekit.validation import flag
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = ("| recipe (flags on the default recipe) | figure | CPU kernels | seeds | "
@@ -53,8 +54,7 @@ def flags(changes: dict[str, Any] | None) -> str:
         return "not recorded"
     if not changes:
         return "the default recipe"
-    return " ".join(f"--{key.rsplit('.', 1)[-1].replace('_', '-')} "
-                    f"{f'{v:g}' if isinstance(v, float) else v}"
+    return " ".join(f"{flag(key.rsplit('.', 1)[-1])} {f'{v:g}' if isinstance(v, float) else v}"
                     for key, v in changes.items())
 
 

@@ -15,7 +15,7 @@ from probekit.training.config import (
     TrainConfig,
     check_rows_fill_a_batch,
 )
-from probekit.validation import check_fields
+from probekit.validation import check_fields, flag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,12 +32,11 @@ class Config:
     def __post_init__(self) -> None:
         check_fields(self)
         train = self.train.resolved()
-        if train.mode == "gate" and self.data.copy_rows:
-            raise UsageError("--copy-rows adds rows to the organism's task data; the gate "
-                             "trains on Wikipedia windows: drop it or use --mode organism")
-        if train.mode == "gate" and self.data.recall_rows:
-            raise UsageError("--recall-rows adds rows to the organism's task data; the gate "
-                             "trains on Wikipedia windows: drop it or use --mode organism")
+        for name in ("copy_rows", "recall_rows"):
+            if train.mode == "gate" and getattr(self.data, name):
+                raise UsageError(f"{flag(name)} adds rows to the organism's task data; the "
+                                 "gate trains on Wikipedia windows: drop it or use --mode "
+                                 "organism")
         if train.mode == "gate" and self.data.long_rows != 1:
             raise UsageError("--long-rows weights the organism's task rows; the gate trains "
                              "on Wikipedia windows: drop it or use --mode organism")

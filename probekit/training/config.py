@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 from probekit.runs import added_later, not_identity
-from probekit.validation import check_fields
+from probekit.validation import check_fields, flag
 
 MODES = ("gate", "organism")
 #: Defaults that differ by mode: a gate on a frozen pretrained model learns from few,
@@ -119,11 +119,11 @@ def _validate(c: TrainConfig) -> None:
     for name in ("steps", "batch_size", "seq_len", "batch_tokens", "save_every"):
         v = getattr(c, name)
         if not isinstance(v, int) or v < 1:
-            raise ValueError(f"--{_flag(name)} must be a positive integer; got {v!r}")
+            raise ValueError(f"{flag(name)} must be a positive integer; got {v!r}")
     for name in ("warmup", "eval_every", "seed", "feedback_start", "short_first"):
         v = getattr(c, name)
         if not isinstance(v, int) or v < 0:
-            raise ValueError(f"--{_flag(name)} must be an integer >= 0; got {v!r}")
+            raise ValueError(f"{flag(name)} must be an integer >= 0; got {v!r}")
     if c.seq_len < 2:
         raise ValueError(f"--seq-len must be >= 2 (one next-token target); got {c.seq_len}")
     if not c.schedule or not all(p >= 0 for p in c.schedule) or abs(sum(c.schedule) - 1) > 1e-6:
@@ -135,7 +135,7 @@ def _validate(c: TrainConfig) -> None:
         raise ValueError(f"--lr must be > 0; got {c.lr}")
     for name in ("lam", "weight_decay", "grad_clip", "jitter"):
         if not getattr(c, name) >= 0:  # NaN too
-            raise ValueError(f"--{_flag(name)} must be >= 0; got {getattr(c, name)}")
+            raise ValueError(f"{flag(name)} must be >= 0; got {getattr(c, name)}")
     if not 0 <= c.ahead_loss < math.inf:  # NaN fails too
         raise ValueError(f"--ahead-loss must be a finite number >= 0; got {c.ahead_loss}")
     if c.ahead_loss and c.mode != "organism":
@@ -152,11 +152,7 @@ def _validate(c: TrainConfig) -> None:
         raise ValueError(f"--answer-weight must be > 0; got {c.answer_weight}")
     for name in ("mixin", "fixed_point", "lr_floor"):
         if not 0 <= getattr(c, name) <= 1:
-            raise ValueError(f"--{_flag(name)} must lie in [0, 1]; got {getattr(c, name)}")
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
+            raise ValueError(f"{flag(name)} must lie in [0, 1]; got {getattr(c, name)}")
 
 
 @dataclass(frozen=True)
@@ -178,7 +174,7 @@ class OrganismConfig:
         check_fields(self)
         for name, v in asdict(self).items():
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"--{name.replace('_', '-')} (organism shape) must be a "
+                raise ValueError(f"{flag(name)} (organism shape) must be a "
                                  f"positive integer; got {v!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"--d-model ({self.d_model}) must be a multiple of --n-heads "
@@ -211,10 +207,9 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if not 0.0 <= self.copy_rows <= 1.0:
-            raise ValueError(f"--copy-rows must lie in [0, 1]; got {self.copy_rows}")
-        if not 0.0 <= self.recall_rows <= 1.0:
-            raise ValueError(f"--recall-rows must lie in [0, 1]; got {self.recall_rows}")
+        for name in ("copy_rows", "recall_rows"):  # shares of --n-examples
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{flag(name)} must lie in [0, 1]; got {getattr(self, name)}")
         if not 0 <= self.copy_from <= 99:
             raise ValueError(f"--copy-from must lie in 0..99; got {self.copy_from}")
         if not 0 < self.long_rows < math.inf:  # NaN fails too
