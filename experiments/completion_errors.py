@@ -10,22 +10,30 @@ pairs per null-update count and prefill regime, and the pairs behind every error
 Each argument is an organism checkpoint folder (what ``organism_checkpoint.py`` prints).
 ``--groups 16 --null-updates 0 8`` (the default) is the probe set an organism's sealed
 task accuracy is measured on; 80 groups are Fig. 7a's. Every pair of these sets is held
-out of training (``probekit.training.organism.held_out_pairs``). A pair has four
-assignments (``required`` / ``completed`` = a/b, a/a, b/a, b/b); ``24-99 (2/4)`` means two
-of them were answered wrongly. The 95% interval resamples pairs (the four assignments of a
-pair fail together more often than apart), with ``scipy.stats.bootstrap``. The last column
-gives each missed pair's cosine between the two numerals' input embeddings
-(``probekit.training.organism.numeral_cosines``) and, in brackets, the percentage of the
-4,005 numeral pairs whose numerals lie further apart: ``0.64 (98%)`` is a pair the
-organism keeps closer than 98% of all pairs.
+out of training (``probekit.training.organism.held_out_pairs``). ``--pairs trained``
+measures pairs the organism did train on instead (any ``--groups``; the rows are
+regenerated from the recipe in the organism's cache record), so that misses on unseen
+pairs can be told from misses on seen ones:
+
+    python experiments/completion_errors.py CKPT --pairs trained --groups 2000 --null-updates 0
+
+A pair has four assignments (``required`` / ``completed`` = a/b, a/a, b/a, b/b);
+``24-99 (2/4)`` means two of them were answered wrongly. The 95% interval resamples pairs
+(the four assignments of a pair fail together more often than apart), with
+``scipy.stats.bootstrap``. The last column gives each missed pair's cosine between the two
+numerals' input embeddings (``probekit.training.organism.numeral_cosines``) and, in
+brackets, the percentage of the 4,005 numeral pairs whose numerals lie further apart:
+``0.64 (98%)`` is a pair the organism keeps closer than 98% of all pairs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import sys
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import tyro
@@ -46,14 +54,19 @@ class Args:
     """null-update counts (distractors) to measure at"""
     regimes: tuple[str, ...] = REGIMES
     """prefill regimes"""
+    pairs: Literal["held-out", "trained"] = "held-out"
+    """held-out: the probe sets' pairs, which training never shows; trained: the first
+    --groups (in a fixed random order) of the pairs the organism's training rows hold"""
 
 
 def _problem(args: Args) -> str | None:
     from probekit.training.organism import HELD_OUT_GROUPS
 
-    if args.groups not in HELD_OUT_GROUPS:
+    if args.pairs == "held-out" and args.groups not in HELD_OUT_GROUPS:
         return (f"--groups must be one of {', '.join(map(str, HELD_OUT_GROUPS))} (the "
                 f"held-out pair sets); got {args.groups}")
+    if args.groups < 1:
+        return f"--groups must be >= 1; got {args.groups}"
     if not args.null_updates or min(args.null_updates) < 0:
         return f"--null-updates must be counts >= 0; got {' '.join(map(str, args.null_updates))}"
     bad = [r for r in args.regimes if r not in REGIMES]
@@ -65,7 +78,67 @@ def _problem(args: Args) -> str | None:
         if not (ck / "config.json").is_file():
             return (f"{ck} is not an organism checkpoint (no config.json); give a folder "
                     f"that organism_checkpoint.py printed")
+        if args.pairs == "trained":
+            from probekit.training.organism_cache import organism_record
+
+            try:
+                organism_record(ck)
+            except ValueError as e:  # the recipe says which rows it trained on
+                return (f"--pairs trained needs a cached organism's recipe, but {e}; give a "
+                        f"checkpoint folder that organism_checkpoint.py printed")
     return None
+
+
+#: A completion row's two numerals in decoded text (the word-level tokenizer puts spaces
+#: around the newline).
+_DECODED_PAIR = re.compile(r"required = (\d+)\s+completed = (\d+)")
+
+
+def trained_pairs(checkpoint: Path, tokenizer) -> set[frozenset[int]]:
+    """The unordered numeral pairs (a != b) of the organism's completion training rows,
+    regenerated as ``train_organism`` generates them, from the recipe in its cache record."""
+    from probekit.training.config import DataConfig
+    from probekit.training.data import organism_data
+    from probekit.training.organism_cache import organism_record
+
+    recipe = organism_record(checkpoint)[1]["recipe"]
+    data = DataConfig(**{k: tuple(v) if k == "tasks" else v
+                         for k, v in recipe["data"].items()})
+    # copy and recall rows hold no completion row, and adding them leaves the task rows be
+    rows = organism_data(tokenizer, tasks=data.tasks, n_examples=data.n_examples,
+                         seed=recipe["train"]["seed"], long_rows=data.long_rows).train
+    out = set()
+    for text in tokenizer.batch_decode(rows):
+        m = _DECODED_PAIR.search(text)
+        if m and m.group(1) != m.group(2):
+            out.add(frozenset(map(int, m.groups())))
+    return out
+
+
+def pair_examples(checkpoint: Path, tokenizer, args: Args) -> list:
+    """The completion examples of ``--pairs``: a held-out probe set, or the first
+    ``--groups`` trained pairs of all 4,005 in the order of ``completion_dataset(seed=0)``.
+    Raises ValueError (one line) when training held fewer pairs than ``--groups``."""
+    from probekit.training.organism import completion_numerals
+    from synthetic.completion import NUMERALS, completion_dataset
+
+    if args.pairs == "held-out":
+        return completion_dataset(tokenizer, n_groups=args.groups,
+                                  distractors=args.null_updates, seed=0).examples
+    trained = trained_pairs(checkpoint, tokenizer)
+    if len(trained) < args.groups:
+        raise ValueError(f"--groups {args.groups}: the training rows of {checkpoint} hold "
+                         f"only {len(trained)} completion pairs")
+    every = len(NUMERALS) * (len(NUMERALS) - 1) // 2
+    examples = completion_dataset(tokenizer, n_groups=every, distractors=args.null_updates,
+                                  seed=0).examples
+    first = {}  # group -> its first example, the a/b assignment (generation order)
+    for ex in examples:
+        first.setdefault(ex.group, ex)
+    keep = [g for g, ex in first.items()
+            if frozenset(completion_numerals(ex.text)) in trained][: args.groups]
+    wanted = set(keep)
+    return [ex for ex in examples if ex.group in wanted]
 
 
 def pair_interval(right: np.ndarray) -> tuple[float, float]:
@@ -103,22 +176,22 @@ def errors(checkpoint: Path, args: Args) -> list[tuple[int, str, float, tuple[fl
         label_predictions,
         numeral_cosines,
     )
-    from synthetic.completion import completion_dataset
+    from synthetic.completion import LABEL_WORDS
     from synthetic.dataset import label_token_ids
 
     ck = load_checkpoint(checkpoint)
     tok, engine = ck.model.tokenizer, StepEngine(ck.model)
-    data = completion_dataset(tok, n_groups=args.groups, distractors=args.null_updates, seed=0)
-    ids = label_token_ids(tok, data.label_words)
+    examples = pair_examples(checkpoint, tok, args)
+    ids = label_token_ids(tok, LABEL_WORDS)
     pairs = {}  # group -> (a, b), from its a/b assignment
-    for ex in data.examples:
+    for ex in examples:
         req, comp = completion_numerals(ex.text)
         if req < comp:
             pairs[ex.group] = (req, comp)
     cosines = numeral_cosines(ck.model)
     out = []
     for d in args.null_updates:
-        exs = [ex for ex in data.examples if ex.condition["distractors"] == d]
+        exs = [ex for ex in examples if ex.condition["distractors"] == d]
         rows = tok([ex.text for ex in exs], add_special_tokens=False)["input_ids"]
         labels = np.array([ex.label_id for ex in exs])
         groups = np.array([ex.group for ex in exs])
@@ -139,10 +212,16 @@ def main() -> int:
     problem = _problem(args)
     if problem:
         return usage_error(problem)
-    print("| organism | null updates | regime | accuracy | 95% interval | pairs missed | "
-          "their numerals' cosine (pairs further apart) |\n|---|---|---|---|---|---|---|")
-    for ck in args.checkpoints:
-        for d, regime, acc, (low, high), missed, close in errors(ck, args):
+    for i, ck in enumerate(args.checkpoints):
+        try:
+            got = errors(ck, args)
+        except ValueError as e:  # --pairs trained: fewer trained pairs than --groups
+            return usage_error(str(e))
+        if i == 0:
+            print("| organism | null updates | regime | accuracy | 95% interval | pairs missed "
+                  "| their numerals' cosine (pairs further apart) |\n"
+                  "|---|---|---|---|---|---|---|")
+        for d, regime, acc, (low, high), missed, close in got:
             print(f"| {ck} | {d} | {regime} | {acc:.3f} | {low:.3f}-{high:.3f} | {missed} | "
                   f"{close} |", flush=True)
     return 0

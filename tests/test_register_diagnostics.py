@@ -152,6 +152,78 @@ def test_completion_errors_counts_the_sealed_accuracy_and_names_the_missed_pairs
             assert int(pct) == round(100 * np.mean(upper < exact))
 
 
+def _completion_errors_module():
+    sys.path.insert(0, str(EXPERIMENTS))
+    try:
+        import completion_errors
+    finally:
+        sys.path.remove(str(EXPERIMENTS))
+    return completion_errors
+
+
+def test_completion_errors_trained_pairs_are_the_pairs_the_organism_trained_on(
+        tmp_path, monkeypatch):
+    """--pairs trained regenerates exactly the completion rows the trainer read (captured
+    from train_organism here), takes --groups of their pairs, never a held-out one, and
+    refuses more groups than training held, in one line."""
+    import os
+
+    from probekit.training import data as data_module
+    from probekit.training.config import DataConfig, OrganismConfig, TrainConfig
+    from probekit.training.organism import completion_numerals, held_out_pairs
+    from probekit.training.organism_cache import Recipe, trained_organism
+
+    monkeypatch.setenv("PROBEKIT_CACHE_DIR", str(tmp_path / "cache"))
+    read = []
+    real = data_module.organism_data
+
+    def capture(*a, **k):
+        out = real(*a, **k)
+        read.append((out.train, a[0] if a else k["tokenizer"]))
+        return out
+
+    monkeypatch.setattr(data_module, "organism_data", capture)
+    recipe = Recipe(  # trains in seconds; seed 3 and long rows, so both must be read back
+        train=TrainConfig(mode="organism", steps=4, feedback_start=2, batch_size=8,
+                          batch_tokens=512, warmup=1, eval_every=0, save_every=4, seed=3),
+        data=DataConfig(n_examples=96, long_rows=4.0, copy_rows=0.25),
+        shape=OrganismConfig(n_blocks=2, d_model=32, n_heads=2, d_mlp=64, n_ctx=1280))
+    ckpt = trained_organism(recipe, progress=False)
+    monkeypatch.undo()
+    monkeypatch.setenv("PROBEKIT_CACHE_DIR", str(tmp_path / "cache"))
+    (rows, tok), = read
+    seen = {frozenset(completion_numerals(text.replace(" \n ", "\n")))
+            for text in tok.batch_decode(rows) if text.startswith("required")}
+    seen = {p for p in seen if len(p) == 2}
+    module = _completion_errors_module()
+    assert module.trained_pairs(ckpt, tok) == seen and seen
+    assert not seen & held_out_pairs(tok)
+    args = module.Args(checkpoints=(ckpt,), groups=3, null_updates=(0, 8), pairs="trained")
+    examples = module.pair_examples(ckpt, tok, args)
+    assert len(examples) == 3 * 4 * 2 and len({ex.group for ex in examples}) == 3
+    assert {frozenset(completion_numerals(ex.text)) for ex in examples
+            if ex.label == "more"} <= seen
+
+    env = {**os.environ, "PROBEKIT_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, str(EXPERIMENTS / "completion_errors.py"), str(ckpt),
+                          "--pairs", "trained", "--groups", "3", "--regimes", "none"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()[2:]
+    assert [line.split(" | ")[1:3] for line in lines] == [["0", "none"], ["8", "none"]]
+    for line in lines:  # 3 pairs x 4 assignments per length
+        right = float(line.split(" | ")[3]) * 12
+        assert abs(right - round(right)) < 0.01
+    too_many = len(seen) + 1
+    out = subprocess.run([sys.executable, str(EXPERIMENTS / "completion_errors.py"), str(ckpt),
+                          "--pairs", "trained", "--groups", str(too_many)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"completion_errors: error: --groups {too_many}: the training rows of {ckpt} hold "
+        f"only {len(seen)} completion pairs")
+
+
 def test_pair_interval_resamples_pairs():
     import numpy as np
 
@@ -346,6 +418,8 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
      "completion_errors: error: --null-updates must be counts >= 0; got 8 -1"),
     ("completion_errors.py", ("no/such/organism", "--regimes", "full", "last-2"),
      "completion_errors: error: --regimes must be among none, last-1, full; got last-2"),
+    ("completion_errors.py", ("no/such/organism", "--pairs", "trained", "--groups", "0"),
+     "completion_errors: error: --groups must be >= 1; got 0"),
     ("numeral_collapse.py", ("no/such/organism",),
      "numeral_collapse: error: no/such/organism is not an organism checkpoint (no "
      "config.json); give a folder that organism_checkpoint.py printed"),
