@@ -53,13 +53,15 @@ class Args:
     null_updates: tuple[int, ...] = (0, 8)
     """null-update counts (distractors) to measure at"""
     regimes: tuple[str, ...] = REGIMES
-    """prefill regimes"""
+    """prefill regimes: none, last-<k> (the plain model up to the last k positions, which
+    are fused), full or passes=<n>"""
     pairs: Literal["held-out", "trained"] = "held-out"
     """held-out: the probe sets' pairs, which training never shows; trained: the first
     --groups (in a fixed random order) of the pairs the organism's training rows hold"""
 
 
 def _problem(args: Args) -> str | None:
+    from probekit.mechanisms.regimes import Regime
     from probekit.training.organism import HELD_OUT_GROUPS
 
     if args.pairs == "held-out" and args.groups not in HELD_OUT_GROUPS:
@@ -69,9 +71,13 @@ def _problem(args: Args) -> str | None:
         return f"--groups must be >= 1; got {args.groups}"
     if not args.null_updates or min(args.null_updates) < 0:
         return f"--null-updates must be counts >= 0; got {' '.join(map(str, args.null_updates))}"
-    bad = [r for r in args.regimes if r not in REGIMES]
-    if bad or not args.regimes:
-        return f"--regimes must be among {', '.join(REGIMES)}; got {' '.join(bad) or 'none'}"
+    if not args.regimes:
+        return "--regimes needs at least one regime (none, last-<k>, full or passes=<n>)"
+    for word in args.regimes:
+        try:
+            Regime.parse(word)
+        except ValueError as e:
+            return f"--regimes: {e}"
     if not args.checkpoints:
         return "give at least one organism checkpoint folder"
     for ck in args.checkpoints:
@@ -197,7 +203,10 @@ def errors(checkpoint: Path, args: Args) -> list[tuple[int, str, float, tuple[fl
         groups = np.array([ex.group for ex in exs])
         order = sorted(set(groups))
         for regime in args.regimes:
-            wrong = label_predictions(engine, ck.gate, rows, ids, regime) != labels
+            try:
+                wrong = label_predictions(engine, ck.gate, rows, ids, regime) != labels
+            except ValueError as e:  # last-k on rows of k tokens or fewer
+                raise ValueError(f"--regimes {regime} at {d} null updates: {e}") from None
             right = np.stack([~wrong[groups == g] for g in order])  # [pairs, 4]
             missed = [(pairs[g], n) for g, n in zip(order, (~right).sum(axis=1), strict=True)
                       if n]
@@ -215,7 +224,7 @@ def main() -> int:
     for i, ck in enumerate(args.checkpoints):
         try:
             got = errors(ck, args)
-        except ValueError as e:  # --pairs trained: fewer trained pairs than --groups
+        except ValueError as e:  # fewer trained pairs than --groups; last-k on short rows
             return usage_error(str(e))
         if i == 0:
             print("| organism | null updates | regime | accuracy | 95% interval | pairs missed "

@@ -152,6 +152,23 @@ def test_completion_errors_counts_the_sealed_accuracy_and_names_the_missed_pairs
             assert int(pct) == round(100 * np.mean(upper < exact))
 
 
+def test_completion_errors_takes_any_last_k_and_names_the_rows_too_short_for_it(
+        organism_checkpoint):
+    """Any regime the engine runs, in the order given; last-14 on the 14-token rows of 0
+    null updates is refused in one line that names the flag."""
+    out = run("completion_errors.py", str(organism_checkpoint), "--null-updates", "0",
+              "--regimes", "last-13", "passes=2", "last-2")
+    assert out.returncode == 0, out.stderr
+    rows = [r.strip("| ").split(" | ") for r in out.stdout.splitlines()[2:]]
+    assert [r[2] for r in rows] == ["last-13", "passes=2", "last-2"]
+    out = run("completion_errors.py", str(organism_checkpoint), "--null-updates", "0", "8",
+              "--regimes", "last-14")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines()[-1] == (
+        "completion_errors: error: --regimes last-14 at 0 null updates: regime last-14 needs "
+        "prompts longer than k=14 tokens; the shortest prompt has 14")
+
+
 def _completion_errors_module():
     sys.path.insert(0, str(EXPERIMENTS))
     try:
@@ -416,8 +433,9 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
      "sets); got 50"),
     ("completion_errors.py", ("no/such/organism", "--null-updates", "8", "-1"),
      "completion_errors: error: --null-updates must be counts >= 0; got 8 -1"),
-    ("completion_errors.py", ("no/such/organism", "--regimes", "full", "last-2"),
-     "completion_errors: error: --regimes must be among none, last-1, full; got last-2"),
+    ("completion_errors.py", ("no/such/organism", "--regimes", "full", "last-two"),
+     "completion_errors: error: --regimes: regime must be none, last-<k> (e.g. last-2), full "
+     "or passes=<n>; got 'last-two'"),
     ("completion_errors.py", ("no/such/organism", "--pairs", "trained", "--groups", "0"),
      "completion_errors: error: --groups must be >= 1; got 0"),
     ("numeral_collapse.py", ("no/such/organism",),
