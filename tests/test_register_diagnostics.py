@@ -199,15 +199,14 @@ def test_completion_errors_trained_pairs_are_the_pairs_the_organism_trained_on(
         read.append((out.train, a[0] if a else k["tokenizer"]))
         return out
 
-    monkeypatch.setattr(data_module, "organism_data", capture)
     recipe = Recipe(  # trains in seconds; seed 3 and long rows, so both must be read back
         train=TrainConfig(mode="organism", steps=4, feedback_start=2, batch_size=8,
                           batch_tokens=512, warmup=1, eval_every=0, save_every=4, seed=3),
         data=DataConfig(n_examples=96, long_rows=4.0, copy_rows=0.25),
         shape=OrganismConfig(n_blocks=2, d_model=32, n_heads=2, d_mlp=64, n_ctx=1280))
-    ckpt = trained_organism(recipe, progress=False)
-    monkeypatch.undo()
-    monkeypatch.setenv("PROBEKIT_CACHE_DIR", str(tmp_path / "cache"))
+    with monkeypatch.context() as patched:
+        patched.setattr(data_module, "organism_data", capture)
+        ckpt = trained_organism(recipe, progress=False)
     (rows, tok), = read
     seen = {frozenset(completion_numerals(text.replace(" \n ", "\n")))
             for text in tok.batch_decode(rows) if text.startswith("required")}
@@ -244,11 +243,7 @@ def test_completion_errors_trained_pairs_are_the_pairs_the_organism_trained_on(
 def test_pair_interval_resamples_pairs():
     import numpy as np
 
-    sys.path.insert(0, str(EXPERIMENTS))
-    try:
-        from completion_errors import pair_interval
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
+    pair_interval = _completion_errors_module().pair_interval
     assert pair_interval(np.ones((16, 4), dtype=bool)) == (1.0, 1.0)
     right = np.ones((80, 4), dtype=bool)
     right[:2, :2] = False  # two pairs half wrong: accuracy 0.9875
