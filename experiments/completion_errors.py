@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 import sys
 from pathlib import Path
 from typing import Literal
@@ -95,16 +94,12 @@ def _problem(args: Args) -> str | None:
     return None
 
 
-#: A completion row's two numerals in decoded text (the word-level tokenizer puts spaces
-#: around the newline).
-_DECODED_PAIR = re.compile(r"required = (\d+)\s+completed = (\d+)")
-
-
 def trained_pairs(checkpoint: Path, tokenizer) -> set[frozenset[int]]:
     """The unordered numeral pairs (a != b) of the organism's completion training rows,
     regenerated as ``train_organism`` generates them, from the recipe in its cache record."""
     from probekit.training.config import DataConfig
     from probekit.training.data import organism_data
+    from probekit.training.organism import completion_numerals
     from probekit.training.organism_cache import organism_record
 
     recipe = organism_record(checkpoint)[1]["recipe"]
@@ -113,12 +108,10 @@ def trained_pairs(checkpoint: Path, tokenizer) -> set[frozenset[int]]:
     # copy and recall rows hold no completion row, and adding them leaves the task rows be
     rows = organism_data(tokenizer, tasks=data.tasks, n_examples=data.n_examples,
                          seed=recipe["train"]["seed"], long_rows=data.long_rows).train
-    out = set()
-    for text in tokenizer.batch_decode(rows):
-        m = _DECODED_PAIR.search(text)
-        if m and m.group(1) != m.group(2):
-            out.add(frozenset(map(int, m.groups())))
-    return out
+    # the word-level tokenizer decodes a newline with a space either side
+    numerals = [completion_numerals(text.replace(" \n ", "\n"))
+                for text in tokenizer.batch_decode(rows) if text.startswith("required =")]
+    return {frozenset(pair) for pair in numerals if pair[0] != pair[1]}
 
 
 def pair_examples(checkpoint: Path, tokenizer, args: Args) -> list:

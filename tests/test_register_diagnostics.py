@@ -3,6 +3,7 @@ their row accounting, their output, and their one-line errors."""
 
 from __future__ import annotations
 
+import importlib
 import re
 import signal
 import subprocess
@@ -17,6 +18,15 @@ EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 def run(script: str, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(EXPERIMENTS / script), *flags],
                           capture_output=True, text=True, timeout=300)
+
+
+def experiment(name: str):
+    """The module of ``experiments/<name>.py``, imported in-process."""
+    sys.path.insert(0, str(EXPERIMENTS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(EXPERIMENTS))
 
 
 def test_register_plateau_counts_rows_and_prints_accuracy_every_100_steps():
@@ -58,11 +68,8 @@ def test_register_plateau_decays_the_learning_rate_as_the_trainer_does():
 
 
 def test_organism_checkpoint_flags_override_the_default_recipe_only_when_given():
-    sys.path.insert(0, str(EXPERIMENTS))
-    try:
-        from organism_checkpoint import Args, recipe_of
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
+    checkpoint_script = experiment("organism_checkpoint")
+    Args, recipe_of = checkpoint_script.Args, checkpoint_script.recipe_of
     from probekit.training.organism_cache import Recipe
 
     assert recipe_of(Args()).key() == "fbbf51d681"  # the default organism's cache key
@@ -169,15 +176,6 @@ def test_completion_errors_takes_any_last_k_and_names_the_rows_too_short_for_it(
         "prompts longer than k=14 tokens; the shortest prompt has 14")
 
 
-def _completion_errors_module():
-    sys.path.insert(0, str(EXPERIMENTS))
-    try:
-        import completion_errors
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
-    return completion_errors
-
-
 def test_completion_errors_trained_pairs_are_the_pairs_the_organism_trained_on(
         tmp_path, monkeypatch):
     """--pairs trained regenerates exactly the completion rows the trainer read (captured
@@ -211,7 +209,7 @@ def test_completion_errors_trained_pairs_are_the_pairs_the_organism_trained_on(
     seen = {frozenset(completion_numerals(text.replace(" \n ", "\n")))
             for text in tok.batch_decode(rows) if text.startswith("required")}
     seen = {p for p in seen if len(p) == 2}
-    module = _completion_errors_module()
+    module = experiment("completion_errors")
     assert module.trained_pairs(ckpt, tok) == seen and seen
     assert not seen & held_out_pairs(tok)
     args = module.Args(checkpoints=(ckpt,), groups=3, null_updates=(0, 8), pairs="trained")
@@ -243,7 +241,7 @@ def test_completion_errors_trained_pairs_are_the_pairs_the_organism_trained_on(
 def test_pair_interval_resamples_pairs():
     import numpy as np
 
-    pair_interval = _completion_errors_module().pair_interval
+    pair_interval = experiment("completion_errors").pair_interval
     assert pair_interval(np.ones((16, 4), dtype=bool)) == (1.0, 1.0)
     right = np.ones((80, 4), dtype=bool)
     right[:2, :2] = False  # two pairs half wrong: accuracy 0.9875
@@ -252,11 +250,7 @@ def test_pair_interval_resamples_pairs():
 
 
 def test_rename_registers_renames_every_register_and_the_query_alike():
-    sys.path.insert(0, str(EXPERIMENTS))
-    try:
-        from register_plateau import rename_registers
-    finally:
-        sys.path.remove(str(EXPERIMENTS))
+    rename_registers = experiment("register_plateau").rename_registers
     text = "r2 = 1\nr0 = 0\nr1 = 1\nr10 = 0\nscratch = 0\nquery = r2\nValue: one"
     names = [11, 3, 7] + list(range(4, 10)) + [0, 1]
     assert rename_registers(text, names) == (
