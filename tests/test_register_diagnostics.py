@@ -238,6 +238,77 @@ def test_completion_errors_trained_pairs_are_the_pairs_the_organism_trained_on(
         f"only {len(seen)} completion pairs")
 
 
+def test_fused_numerals_are_the_inputs_full_prefill_feeds_the_numerals(organism_checkpoint):
+    """Each fused input is the depth-0 residual the engine gives that numeral under full
+    prefill, after required = and after required = a / completed =."""
+    import torch
+
+    from probekit.analysis.capture import capture_final
+    from probekit.core.engine import StepEngine
+    from probekit.mechanisms.prefill import LatentFeedbackMechanism
+    from probekit.mechanisms.regimes import Regime
+    from probekit.training.checkpoint import load_checkpoint
+    from probekit.training.organism import fused_numerals
+    from synthetic.completion import NUMERALS
+
+    ck = load_checkpoint(organism_checkpoint)
+    required, completed = fused_numerals(ck.model, ck.gate)
+    assert required.shape == (90, 32) and completed.shape == (90, 90, 32)
+    engine, tok = StepEngine(ck.model), ck.model.tokenizer
+    mech = LatentFeedbackMechanism(ck.gate, ck.model)
+
+    def depth0(texts):
+        ids = torch.tensor(tok(texts, add_special_tokens=False)["input_ids"])
+        return capture_final(engine, mech, ids, Regime.parse("full")).resid[:, 0]
+
+    assert torch.allclose(required, depth0([f"required = {n}" for n in NUMERALS]), atol=1e-5)
+    for a in (0, 37, 89):  # required numerals 10, 47, 99
+        got = depth0([f"required = {NUMERALS[a]}\ncompleted = {n}" for n in NUMERALS])
+        assert torch.allclose(completed[a], got, atol=1e-5)
+    assert not torch.allclose(completed[0], completed[89], atol=1e-3)  # the state differs
+
+
+def test_fused_numerals_tabulates_the_geometry_and_answers_every_row(organism_checkpoint):
+    """The first table is geometry()'s numbers; the second answers all 8,100 rows: the
+    equal rows missed are named, and the counts are label_predictions' over every row."""
+    import numpy as np
+
+    from probekit.core.engine import StepEngine
+    from probekit.training.checkpoint import load_checkpoint
+    from probekit.training.organism import fused_numerals, label_predictions, numeral_cosines
+    from synthetic.completion import LABEL_WORDS, NUMERALS, completion_text
+    from synthetic.dataset import label_token_ids
+
+    out = run("fused_numerals.py", str(organism_checkpoint), "--null-updates", "1",
+              "--regimes", "none", "full")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    geo = lines[2].strip("| ").split(" | ")
+    ck = load_checkpoint(organism_checkpoint)
+    module = experiment("fused_numerals")
+    g = module.geometry(*fused_numerals(ck.model, ck.gate), numeral_cosines(ck.model))
+    assert geo[1:] == [f"{g['embedding mean']:.2f} / {g['embedding max']:.2f}",
+                       f"{g['required mean']:.2f} / {g['required max']:.2f}",
+                       f"{g['completed mean']:.2f} / {g['completed max']:.2f}",
+                       f"{g['own min']:.3f}", f"{g['nearest own']:,}"]
+    assert 0 <= g["nearest own"] <= 8100
+    rows = [r.strip("| ").split(" | ") for r in lines[6:]]
+    assert [r[1] for r in rows] == ["none", "full"]
+    tok, engine = ck.model.tokenizer, StepEngine(ck.model)
+    ids = label_token_ids(tok, LABEL_WORDS)
+    for r in rows:
+        texts = [completion_text(a, b, scratch=4, distractors=1) for a in NUMERALS
+                 for b in NUMERALS]
+        pred = label_predictions(engine, ck.gate, tok(texts, add_special_tokens=False)[
+            "input_ids"], ids, r[1]).reshape(90, 90)
+        done = LABEL_WORDS.index("done")
+        equal_missed = [str(n) for i, n in enumerate(NUMERALS) if pred[i, i] != done]
+        assert r[2] == (f"{len(equal_missed)} ({', '.join(equal_missed)})" if equal_missed
+                        else "0")
+        unequal_missed = int((pred[~np.eye(90, dtype=bool)] == done).sum())
+        assert r[3] == f"{unequal_missed} of 8,010"
+
+
 def test_pair_interval_resamples_pairs():
     import numpy as np
 
@@ -427,6 +498,16 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
      "or passes=<n>; got 'last-two'"),
     ("completion_errors.py", ("no/such/organism", "--pairs", "trained", "--groups", "0"),
      "completion_errors: error: --groups must be >= 1; got 0"),
+    ("fused_numerals.py", (), "fused_numerals: error: give at least one organism "
+     "checkpoint folder"),
+    ("fused_numerals.py", ("no/such/organism",),
+     "fused_numerals: error: no/such/organism is not an organism checkpoint (no "
+     "config.json); give a folder that organism_checkpoint.py printed"),
+    ("fused_numerals.py", ("no/such/organism", "--null-updates", "-1"),
+     "fused_numerals: error: --null-updates must be >= 0; got -1"),
+    ("fused_numerals.py", ("no/such/organism", "--regimes", "last-two"),
+     "fused_numerals: error: --regimes: regime must be none, last-<k> (e.g. last-2), full "
+     "or passes=<n>; got 'last-two'"),
     ("numeral_collapse.py", ("no/such/organism",),
      "numeral_collapse: error: no/such/organism is not an organism checkpoint (no "
      "config.json); give a folder that organism_checkpoint.py printed"),

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import transformers
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from torch import Tensor
 
 from probekit.training.config import OrganismConfig
 from synthetic import make_task, registers
@@ -363,6 +364,35 @@ def numeral_cosines(model) -> np.ndarray:
     emb = model.hf_model.get_input_embeddings().weight.detach()[ids].float()
     unit = torch.nn.functional.normalize(emb, dim=-1)
     return (unit @ unit.T).numpy()
+
+
+@torch.no_grad()
+def fused_numerals(model, gate) -> tuple[Tensor, Tensor]:
+    """The inputs the completion task's numerals (10..99) get under ``full`` prefill: Eq. 4's
+    fusion of the top state before each numeral with its embedding.
+
+    Returns ``(required, completed)``: ``required[n]`` ``[90, D]`` is numeral ``n``'s input
+    after ``required =`` (the same in every row: the state before it depends on those two
+    tokens only); ``completed[a, n]`` ``[90, 90, D]`` is numeral ``n``'s input after
+    ``required = a`` and ``completed =``. The token enters only as the gate's multiplicative
+    pattern on the carried state (the paper, Sec. 3.1), so these inputs show how much of a
+    numeral's identity the organism's own inputs keep."""
+    from probekit.core.engine import StepEngine
+    from probekit.mechanisms.latent_feedback import prefill
+
+    tok, engine = model.tokenizer, StepEngine(model)
+    ids = [tok.convert_tokens_to_ids(str(n)) for n in NUMERALS]
+    emb = model.hf_model.get_input_embeddings().weight.detach()[ids]
+
+    def top_state(texts: list[str]) -> Tensor:  # h of each text's last token under full
+        rows = tok(texts, add_special_tokens=False)["input_ids"]
+        return prefill(engine, rows, gate, "full").extras["state"]
+
+    h_required = top_state(["required ="])  # [1, D]
+    h_completed = top_state([f"required = {a}\ncompleted =" for a in NUMERALS])  # [90, D]
+    required = gate(h_required.expand(len(ids), -1), emb).float()
+    completed = gate(h_completed[:, None, :], emb[None, :, :]).float()
+    return required, completed
 
 
 def _rows(tokenizer, task: str, distractors: int, seed: int,
