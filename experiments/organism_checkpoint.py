@@ -57,6 +57,9 @@ class Args:
     """weight of the loss that predicts the token two ahead (default: the recipe's 0)"""
     short_first: int | None = None
     """first steps that train on short rows only (0-8 null updates; default: the recipe's 0)"""
+    close_pairs: float | None = None
+    """share of feedback batches of completion rows of the 400 training pairs the organism
+    holds closest (default: the recipe's 0)"""
     fixed_point_rows: Literal["all", "long"] | None = None
     """rows of the fixed-point batches: all, or long (16-256 null updates) only (default:
     the recipe's all)"""
@@ -80,7 +83,7 @@ class Args:
 
 #: Training flags that override the default recipe only when given.
 OVERRIDES = ("schedule", "steps", "lr", "lr_floor", "weight_decay", "feedback_start",
-             "fixed_point", "ahead_loss", "short_first", "fixed_point_rows")
+             "fixed_point", "ahead_loss", "short_first", "fixed_point_rows", "close_pairs")
 
 
 def recipe_of(args: Args) -> Recipe:

@@ -692,6 +692,119 @@ def test_fixed_point_rows_long_draws_the_fixed_point_batches_from_long_rows_only
         straight.hf_model.parameters(), resumed.hf_model.parameters(), strict=True))
 
 
+def test_close_pair_rows_hold_all_four_assignments_of_the_closest_training_pairs():
+    """close_pairs: the CLOSE_POOL pairs of largest embedding cosine among those not held
+    out, closest first; close_pair_rows: whole groups of them (labels by equality), one
+    null-update count per batch, shuffled, capped by max_tokens; every draw from the
+    generator."""
+    from probekit.training.organism import (
+        CLOSE_POOL,
+        close_pair_rows,
+        close_pairs,
+        completion_numerals,
+        held_out_pairs,
+        numeral_cosines,
+    )
+    from synthetic.completion import NUMERALS
+
+    model, _, _ = _tiny_organism_and_data()
+    held_out = held_out_pairs(model.tokenizer)
+    pool = close_pairs(model, held_out)
+    cos = numeral_cosines(model)
+
+    def c(a, b):
+        return cos[NUMERALS.index(a), NUMERALS.index(b)]
+
+    assert len(pool) == CLOSE_POOL and all(a < b for a, b in pool)
+    assert not {frozenset(p) for p in pool} & held_out
+    assert [c(*p) for p in pool] == sorted((c(*p) for p in pool), reverse=True)
+    rest = [c(a, b) for a in NUMERALS for b in NUMERALS if a < b and (a, b) not in pool
+            and frozenset((a, b)) not in held_out]
+    assert max(rest) <= c(*pool[-1])
+
+    def rows(size, seed, max_tokens=None):
+        g = torch.Generator().manual_seed(seed)
+        got = close_pair_rows(model, size, g, held_out=held_out, distractors={0: 1.0, 8: 1.0},
+                              max_tokens=max_tokens)
+        return [model.tokenizer.decode(r).replace(" \n ", "\n") for r in got]
+
+    texts = rows(8, 0)
+    assert rows(8, 0) == texts and len(texts) == 8
+    numerals = [completion_numerals(t) for t in texts]
+    pairs = {tuple(sorted(n)) for n in numerals if n[0] != n[1]}
+    assert len(pairs) <= 2 and pairs <= set(pool)
+    for (a, b) in pairs:  # all four assignments of each drawn pair
+        assert sorted(n for n in numerals if set(n) <= {a, b}) == sorted(
+            [(a, b), (a, a), (b, a), (b, b)])
+    assert all(t.endswith(" done" if a == b else " more")
+               for t, (a, b) in zip(texts, numerals, strict=True))
+    assert len({t.count("scratch +=") for t in texts}) == 1  # one null-update count
+    lengths = {len(rows(4, s)[0]) for s in range(8)}
+    assert len(lengths) == 2  # both counts are drawn
+    one = model.tokenizer(rows(4, 1)[0], add_special_tokens=False)["input_ids"]
+    assert len(rows(8, 1, max_tokens=2 * len(one) + 1)) == 2
+    assert np.mean([t.endswith(" done") for s in range(8) for t in rows(4, s)]) == 0.5
+
+
+def test_close_pairs_replaces_batches_after_feedback_start_and_resumes_exactly(tmp_path,
+                                                                              monkeypatch):
+    """--close-pairs: after --feedback-start, a last coin (drawn after every other draw of
+    the step) swaps the batch for close_rows; the other draws are those of the recipe
+    without it. Resuming is exact, and the option changes what is trained."""
+    model, gate, data = _tiny_organism_and_data()
+    close_rows = model.tokenizer(["state = 1\nscratch = 3\n# final state: one"] * 4,
+                                 add_special_tokens=False)["input_ids"]
+    calls = []
+
+    def close(model, size, generator):
+        calls.append(size)
+        torch.rand((), generator=generator)  # it draws from the step's generator too
+        return close_rows[:size]
+
+    data.close_rows = close
+    config = TrainConfig(mode="organism", steps=12, batch_size=4, lr=1e-2, warmup=2,
+                         lr_floor=1.0, eval_every=0, save_every=6, answer_weight=1.0,
+                         feedback_start=4)
+    real = data.batch
+
+    def drawn(folder, **kw):
+        draws = []
+
+        def spy(size, generator, rows="all"):
+            ids, valid = real(size, generator, rows)
+            draws.append(ids.tolist())
+            return ids, valid
+
+        monkeypatch.setattr(data, "batch", spy)
+        calls.clear()
+        model, gate, _ = _tiny_organism_and_data()  # the same seeded initial weights
+        train(model, gate, data, dataclasses.replace(config, **kw), tmp_path / folder,
+              progress=False)
+        monkeypatch.setattr(data, "batch", real)
+        return draws, list(calls), model
+
+    plain, none, plain_model = drawn("plain")
+    assert none == []
+    draws, calls_made, straight = drawn("close", close_pairs=0.5)
+    assert draws == plain  # every other draw is the recipe's own
+    assert 0 < len(calls_made) < 8 and set(calls_made) == {4}  # only steps 4..11, some
+    _, every, _ = drawn("always", close_pairs=1.0)
+    assert len(every) == 8
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(
+        straight.hf_model.parameters(), plain_model.hf_model.parameters(), strict=True))
+    drawn("halves", close_pairs=0.5, steps=6)
+    _, _, resumed = drawn("halves", close_pairs=0.5)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(
+        straight.hf_model.parameters(), resumed.hf_model.parameters(), strict=True))
+    with pytest.raises(ValueError, match=(
+            r"^--close-pairs draws the organism's completion rows, and these training rows "
+            r"have none; train on the completion task, or drop it$")):
+        data.close_rows = None
+        train(model, gate, data, dataclasses.replace(config, close_pairs=0.5),
+              tmp_path / "none", progress=False)
+    assert not (tmp_path / "none").exists()
+
+
 @pytest.mark.parametrize("short_len, kw, message", [
     (3, {"short_first": 1},
      r"^--short-first draws rows of at most 3 tokens \(the validation rows' length\) and "
@@ -828,6 +941,11 @@ def test_train_config_validation():
                 r"^--fixed-point-rows long chooses the rows of the organism's fixed-point "
                 r"batches; it needs --mode organism and --fixed-point > 0$")):
             TrainConfig(fixed_point_rows="long", **kw)
+    with pytest.raises(ValueError, match=r"^--close-pairs must lie in \[0, 1\]; got 2.0$"):
+        TrainConfig(mode="organism", close_pairs=2.0)
+    with pytest.raises(ValueError, match=(r"^--close-pairs draws the organism's completion "
+                                          r"rows; it needs --mode organism$")):
+        TrainConfig(mode="gate", close_pairs=0.5)
     assert TrainConfig(schedule=[0.5, 0.5]).max_passes == 2
 
 

@@ -151,6 +151,8 @@ def test_the_recipe_key_follows_every_field_that_decides_the_weights():
     assert small(fixed_point=0.5, fixed_point_rows="all").key() == small(fixed_point=0.5).key()
     assert (small(fixed_point=0.5, fixed_point_rows="long").key()
             != small(fixed_point=0.5).key())
+    assert small(close_pairs=0.0).key() == base.key()
+    assert small(close_pairs=0.25).key() != base.key()
     assert organism_folder(small(seed=3)).name.startswith("seed3-")
     with pytest.raises(ValueError, match="an organism recipe trains in organism mode, not gate"):
         Recipe(train=TrainConfig(mode="gate"))

@@ -477,6 +477,9 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
     ("organism_checkpoint.py", ("--copy-from", "0"),
      "organism_checkpoint: error: --copy-from sets the copy rows' numerals; give "
      "--copy-rows too, or drop it"),
+    ("organism_checkpoint.py", ("--close-pairs", "0.25", "--tasks", "memory"),
+     "organism_checkpoint: error: --close-pairs draws completion rows; it needs completion "
+     "among --tasks (got memory)"),
     ("organism_checkpoint.py", ("--recall-rows", "1.5"),
      "organism_checkpoint: error: --recall-rows must lie in [0, 1]; got 1.5"),
     ("organism_checkpoint.py", ("--long-rows", "-1"),

@@ -13,7 +13,7 @@ from probekit.training.config import (
     DataConfig,
     OrganismConfig,
     TrainConfig,
-    check_rows_fill_a_batch,
+    check_organism_data,
 )
 from probekit.validation import check_fields, flag
 
@@ -40,7 +40,7 @@ class Config:
         if train.mode == "gate" and self.data.long_rows != 1:
             raise UsageError("--long-rows weights the organism's task rows; the gate trains "
                              "on Wikipedia windows: drop it or use --mode organism")
-        check_rows_fill_a_batch(self.data, train)
+        check_organism_data(self.data, train)
 
 
 def run(config: Config) -> int:

@@ -78,6 +78,11 @@ class TrainConfig:
     """organism mode: the first this-many steps draw their batches only from rows no longer
     than the validation rows (0-8 null updates, and the copy rows), so that the tasks are
     learned on short rows before the long rows come in (0: every row from the start)"""
+    close_pairs: float = added_later(0.0)
+    """organism mode: probability that a batch after --feedback-start holds, instead of
+    drawn rows, completion rows (all four assignments) of the 400 training pairs whose
+    numerals the organism's embeddings hold closest at that step: the pairs it most often
+    answers "done" for although they differ"""
     grad_clip: float = 1.0
     """gradient-norm clip (0: none)"""
     answer_weight: float | None = None
@@ -148,9 +153,12 @@ def _validate(c: TrainConfig) -> None:
         raise ValueError(f"--fixed-point-rows {c.fixed_point_rows} chooses the rows of the "
                          f"organism's fixed-point batches; it needs --mode organism and "
                          f"--fixed-point > 0")
+    if c.close_pairs and c.mode != "organism":
+        raise ValueError("--close-pairs draws the organism's completion rows; it needs "
+                         "--mode organism")
     if not c.answer_weight > 0:
         raise ValueError(f"--answer-weight must be > 0; got {c.answer_weight}")
-    for name in ("mixin", "fixed_point", "lr_floor"):
+    for name in ("mixin", "fixed_point", "lr_floor", "close_pairs"):
         if not 0 <= getattr(c, name) <= 1:
             raise ValueError(f"{flag(name)} must lie in [0, 1]; got {getattr(c, name)}")
 
@@ -226,10 +234,14 @@ class DataConfig:
             raise ValueError(f"--n-examples must be >= 1; got {self.n_examples}")
 
 
-def check_rows_fill_a_batch(data: DataConfig, train: TrainConfig) -> None:
-    """Refuse an organism training with fewer task rows (``--n-examples``) than one batch:
-    the one check of it, for ``probekit train-feedback`` and every organism recipe."""
+def check_organism_data(data: DataConfig, train: TrainConfig) -> None:
+    """Refuse an organism training its task rows cannot serve: fewer rows (``--n-examples``)
+    than one batch, or ``--close-pairs`` without completion rows. The one check of it, for
+    ``probekit train-feedback`` and every organism recipe."""
     train = train.resolved()
     if train.mode == "organism" and data.n_examples < train.batch_size:
         raise ValueError(f"--n-examples must be >= --batch-size ({train.batch_size}); "
                          f"got {data.n_examples}")
+    if train.close_pairs and "completion" not in data.tasks:
+        raise ValueError(f"--close-pairs draws completion rows; it needs completion among "
+                         f"--tasks (got {' '.join(data.tasks)})")

@@ -7,9 +7,10 @@ so a resumed run sees exactly the batches an uninterrupted one would.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -46,6 +47,9 @@ class TrainData:
     #: row); ``batch(..., rows="short")`` draws only those, ``rows="long"`` only the others;
     #: None: every row is short
     short_len: int | None = None
+    #: organism mode with completion: ``(model, size, generator) -> rows`` of the pairs
+    #: the model holds closest now (``--close-pairs``); None: no such batches
+    close_rows: Callable[[Any, int, torch.Generator], list[list[int]]] | None = None
 
     def __post_init__(self) -> None:
         self._by_length = sorted(range(len(self.train)), key=lambda i: len(self.train[i]))
@@ -70,6 +74,10 @@ class TrainData:
             pick = range(len(self.train)) if rows == "all" else self._by_length
             idx = [pick[i] for i in torch.randint(lo, hi, (size,), generator=generator).tolist()]
         return pad_batch([self.train[i] for i in idx], self.pad_id)
+
+    def close_batch(self, model, size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        """A batch of :attr:`close_rows` (``--close-pairs``), padded as :meth:`batch`'s."""
+        return pad_batch(self.close_rows(model, size, generator), self.pad_id)
 
 
 def gate_data(model, seq_len: int, *, n_windows: int = 2048, val_windows: int = 16) -> TrainData:
@@ -108,6 +116,8 @@ def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int
     null-update counts are weighted by
     :func:`probekit.training.organism.train_distractors` of ``long_rows``."""
     from probekit.training.organism import (
+        close_pair_rows,
+        held_out_pairs,
         probe_rows_by_task,
         train_distractors,
         training_examples,
@@ -115,6 +125,10 @@ def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int
 
     kw = {"distractors": train_distractors(long_rows) if distractors is None
           else tuple(distractors)}
+    weights = kw["distractors"]
+    close = None if "completion" not in tasks else functools.partial(
+        close_pair_rows, held_out=held_out_pairs(tokenizer), max_tokens=max_tokens,
+        distractors=weights if isinstance(weights, dict) else dict.fromkeys(weights, 1.0))
     rows = training_examples(tokenizer, tasks, n_examples=n_examples, seed=seed + 1,
                              copy_share=copy_share, copy_from=copy_from,
                              recall_share=recall_share, **kw)
@@ -127,6 +141,7 @@ def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int
         val_tasks += [task] * len(batches)
     return TrainData(rows, val, pad_id=pad, bucket=True, max_tokens=max_tokens,
                      val_tasks=tuple(val_tasks), short_len=max(ids.shape[1] for ids, _ in val),
+                     close_rows=close,
                      description={"tasks": list(tasks), "train_examples": len(rows),
                                   "val_examples": sum(len(ids) for ids, _ in val),
                                   **({"copy_rows": int(n_examples * copy_share),

@@ -43,7 +43,7 @@ from probekit.training.config import (
     DataConfig,
     OrganismConfig,
     TrainConfig,
-    check_rows_fill_a_batch,
+    check_organism_data,
 )
 from probekit.training.train import final_validation, training_seconds
 
@@ -82,7 +82,7 @@ class Recipe:
         if self.train.mode != "organism":
             raise ValueError(f"an organism recipe trains in organism mode, not {self.train.mode}")
         object.__setattr__(self, "train", self.train.resolved())
-        check_rows_fill_a_batch(self.data, self.train)
+        check_organism_data(self.data, self.train)
 
     @classmethod
     def default(cls, seed: int = 0, tasks: tuple[str, ...] | None = None,

@@ -138,6 +138,9 @@ def train(
         raise ValueError(f"--short-first draws rows of at most {data.short_len} tokens (the "
                          f"validation rows' length) and the training rows have none; "
                          f"train on 0-8 null updates too, or drop --short-first")
+    if config.close_pairs and data.close_rows is None:
+        raise ValueError("--close-pairs draws the organism's completion rows, and these "
+                         "training rows have none; train on the completion task, or drop it")
     if config.fixed_point_rows == "long" and data.n_short == len(data.train):
         raise ValueError(f"--fixed-point-rows long draws rows longer than {data.short_len} "
                          f"tokens (the validation rows' length) and the training rows have "
@@ -166,6 +169,9 @@ def train(
                  and float(torch.rand((), generator=g)) < config.fixed_point)
         if fixed and config.fixed_point_rows == "long" and not short:  # a second draw,
             ids, valid = data.batch(config.batch_size, g, "long")  # after the others'
+        if (config.close_pairs > 0 and step >= config.feedback_start and not short
+                and float(torch.rand((), generator=g)) < config.close_pairs):  # likewise
+            ids, valid = data.close_batch(model, config.batch_size, g)
         lr = lr_at(step, config)
         for group in opt.param_groups:
             group["lr"] = lr
