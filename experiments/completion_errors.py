@@ -21,7 +21,7 @@ A pair has four assignments (``required`` / ``completed`` = a/b, a/a, b/a, b/b);
 ``24-99 (2/4)`` means two of them were answered wrongly. The 95% interval resamples pairs
 (the four assignments of a pair fail together more often than apart), with
 ``scipy.stats.bootstrap``. The last column gives each missed pair's cosine between the two
-numerals' input embeddings (``probekit.training.organism.numeral_cosines``) and, in
+numerals' input embeddings (``probekit.training.numerals.numeral_cosines``) and, in
 brackets, the percentage of the 4,005 numeral pairs whose numerals lie further apart:
 ``0.64 (98%)`` is a pair the organism keeps closer than 98% of all pairs.
 """
@@ -155,7 +155,7 @@ def pair_interval(right: np.ndarray) -> tuple[float, float]:
 
 def closeness(cosines: np.ndarray, a: int, b: int) -> str:
     """``"0.64 (98%)"``: the cosine of numerals ``a`` and ``b`` in ``cosines`` (10..99's,
-    :func:`probekit.training.organism.numeral_cosines`) and the share of all numeral pairs
+    :func:`probekit.training.numerals.numeral_cosines`) and the share of all numeral pairs
     with a smaller one."""
     from synthetic.completion import NUMERALS
 
@@ -170,11 +170,8 @@ def errors(checkpoint: Path, args: Args) -> list[tuple[int, str, float, tuple[fl
     closeness) of one organism."""
     from probekit.core.engine import StepEngine
     from probekit.training.checkpoint import load_checkpoint
-    from probekit.training.organism import (
-        completion_numerals,
-        label_predictions,
-        numeral_cosines,
-    )
+    from probekit.training.numerals import numeral_cosines
+    from probekit.training.organism import completion_numerals, label_predictions
     from synthetic.completion import LABEL_WORDS
     from synthetic.dataset import label_token_ids
 

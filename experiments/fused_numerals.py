@@ -6,7 +6,7 @@ numerals").
 
 Each argument is an organism checkpoint folder (what ``organism_checkpoint.py`` prints).
 Under ``full`` prefill a numeral's input is not its embedding but Eq. 4's fusion of the
-state before it with the embedding (``probekit.training.organism.fused_numerals``). The
+state before it with the embedding (``probekit.training.numerals.fused_numerals``). The
 first table compares the numerals 10..99 as embeddings and as fused inputs (cosines over
 the 4,005 pairs), and says whether a numeral's input after ``completed =`` is still
 nearest to its own input after ``required =`` (of 90 x 90 = 8,100 inputs).
@@ -102,7 +102,8 @@ def answers(checkpoint: Path, args: Args):
 
     from probekit.core.engine import StepEngine
     from probekit.training.checkpoint import load_checkpoint
-    from probekit.training.organism import fused_numerals, label_predictions, numeral_cosines
+    from probekit.training.numerals import fused_numerals, numeral_cosines
+    from probekit.training.organism import label_predictions
     from synthetic.completion import LABEL_WORDS, NUMERALS, completion_text
     from synthetic.dataset import label_token_ids
 

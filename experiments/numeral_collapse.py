@@ -52,7 +52,8 @@ def main() -> int:
             return usage_error(f"{ck} is not an organism checkpoint (no config.json); give "
                                f"a folder that organism_checkpoint.py printed")
     from probekit.training.checkpoint import load_checkpoint
-    from probekit.training.organism import new_organism, numeral_cosines
+    from probekit.training.numerals import numeral_cosines
+    from probekit.training.organism import new_organism
 
     models = [(f"initialised, seed {s}", new_organism(seed=s), "-") for s in args.init]
     models += [(str(ck), load_checkpoint(ck).model, _accuracy(ck)) for ck in args.checkpoints]

@@ -697,14 +697,13 @@ def test_close_pair_rows_hold_all_four_assignments_of_the_closest_training_pairs
     out, closest first; close_pair_rows: whole groups of them (labels by equality), one
     null-update count per batch, shuffled, capped by max_tokens; every draw from the
     generator."""
-    from probekit.training.organism import (
+    from probekit.training.numerals import (
         CLOSE_POOL,
         close_pair_rows,
         close_pairs,
-        completion_numerals,
-        held_out_pairs,
         numeral_cosines,
     )
+    from probekit.training.organism import completion_numerals, held_out_pairs
     from synthetic.completion import NUMERALS
 
     model, _, _ = _tiny_organism_and_data()
@@ -1156,7 +1155,8 @@ def test_copy_rows_from_zero_copy_the_digits_too():
 
 
 def test_numeral_cosines_measure_how_far_apart_the_numerals_sit():
-    from probekit.training.organism import new_organism, numeral_cosines
+    from probekit.training.numerals import numeral_cosines
+    from probekit.training.organism import new_organism
 
     model = new_organism(OrganismConfig(n_blocks=1, d_model=64, n_heads=2, d_mlp=64), seed=0)
     cos = numeral_cosines(model)

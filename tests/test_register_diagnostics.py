@@ -109,7 +109,7 @@ def test_numeral_collapse_tabulates_cosines_and_sealed_accuracy(organism_checkpo
     import numpy as np
 
     from probekit.training.checkpoint import load_checkpoint
-    from probekit.training.organism import numeral_cosines
+    from probekit.training.numerals import numeral_cosines
 
     out = run("numeral_collapse.py", str(organism_checkpoint), "--init", "0")
     assert out.returncode == 0, out.stderr
@@ -129,7 +129,8 @@ def test_completion_errors_counts_the_sealed_accuracy_and_names_the_missed_pairs
     import numpy as np
 
     from probekit.training.checkpoint import load_checkpoint
-    from probekit.training.organism import numeral_cosines, task_accuracy
+    from probekit.training.numerals import numeral_cosines
+    from probekit.training.organism import task_accuracy
 
     out = run("completion_errors.py", str(organism_checkpoint))
     assert out.returncode == 0, out.stderr
@@ -248,7 +249,7 @@ def test_fused_numerals_are_the_inputs_full_prefill_feeds_the_numerals(organism_
     from probekit.mechanisms.prefill import LatentFeedbackMechanism
     from probekit.mechanisms.regimes import Regime
     from probekit.training.checkpoint import load_checkpoint
-    from probekit.training.organism import fused_numerals
+    from probekit.training.numerals import fused_numerals
     from synthetic.completion import NUMERALS
 
     ck = load_checkpoint(organism_checkpoint)
@@ -275,7 +276,8 @@ def test_fused_numerals_tabulates_the_geometry_and_answers_every_row(organism_ch
 
     from probekit.core.engine import StepEngine
     from probekit.training.checkpoint import load_checkpoint
-    from probekit.training.organism import fused_numerals, label_predictions, numeral_cosines
+    from probekit.training.numerals import fused_numerals, numeral_cosines
+    from probekit.training.organism import label_predictions
     from synthetic.completion import LABEL_WORDS, NUMERALS, completion_text
     from synthetic.dataset import label_token_ids
 

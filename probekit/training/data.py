@@ -115,8 +115,8 @@ def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int
     batches are the default probe sets with their labels. Without ``distractors`` the
     null-update counts are weighted by
     :func:`probekit.training.organism.train_distractors` of ``long_rows``."""
+    from probekit.training.numerals import close_pair_rows
     from probekit.training.organism import (
-        close_pair_rows,
         held_out_pairs,
         probe_rows_by_task,
         train_distractors,
