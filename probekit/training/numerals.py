@@ -62,7 +62,7 @@ def fused_numerals(model, gate) -> tuple[Tensor, Tensor]:
 #: How many of the closest training pairs ``--close-pairs`` batches draw from: about the
 #: closest tenth of the 4,005. The misses spread over many pairs, ranked by closeness
 #: (docs/latent-feedback.md, "What the gate does to the numerals"): the closest 64 held
-#: 9-18% of three organisms' unequal rows missed under full, the closest 400 34-79%.
+#: 8-18% of three organisms' unequal rows missed under full, the closest 400 34-79%.
 CLOSE_POOL = 400
 
 
