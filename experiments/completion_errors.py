@@ -37,7 +37,7 @@ from typing import Literal
 import numpy as np
 import tyro
 
-from probekit.commands.common import script_error
+from probekit.commands.common import organisms_problem, regimes_problem, script_error
 
 usage_error = functools.partial(script_error, "completion_errors")
 REGIMES = ("none", "last-1", "full")
@@ -60,7 +60,6 @@ class Args:
 
 
 def _problem(args: Args) -> str | None:
-    from probekit.mechanisms.regimes import Regime
     from probekit.training.organism import HELD_OUT_GROUPS
 
     if args.pairs == "held-out" and args.groups not in HELD_OUT_GROUPS:
@@ -70,19 +69,10 @@ def _problem(args: Args) -> str | None:
         return f"--groups must be >= 1; got {args.groups}"
     if not args.null_updates or min(args.null_updates) < 0:
         return f"--null-updates must be counts >= 0; got {' '.join(map(str, args.null_updates))}"
-    if not args.regimes:
-        return "--regimes needs at least one regime (none, last-<k>, full or passes=<n>)"
-    for word in args.regimes:
-        try:
-            Regime.parse(word)
-        except ValueError as e:
-            return f"--regimes: {e}"
-    if not args.checkpoints:
-        return "give at least one organism checkpoint folder"
+    problem = regimes_problem(args.regimes) or organisms_problem(args.checkpoints)
+    if problem:
+        return problem
     for ck in args.checkpoints:
-        if not (ck / "config.json").is_file():
-            return (f"{ck} is not an organism checkpoint (no config.json); give a folder "
-                    f"that organism_checkpoint.py printed")
         if args.pairs == "trained":
             from probekit.training.organism_cache import organism_record
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import tyro
 
-from probekit.commands.common import script_error
+from probekit.commands.common import organisms_problem, regimes_problem, script_error
 
 usage_error = functools.partial(script_error, "fused_numerals")
 
@@ -46,24 +46,9 @@ class Args:
 
 
 def _problem(args: Args) -> str | None:
-    from probekit.mechanisms.regimes import Regime
-
     if args.null_updates < 0:
         return f"--null-updates must be >= 0; got {args.null_updates}"
-    if not args.regimes:
-        return "--regimes needs at least one regime (none, last-<k>, full or passes=<n>)"
-    for word in args.regimes:
-        try:
-            Regime.parse(word)
-        except ValueError as e:
-            return f"--regimes: {e}"
-    if not args.checkpoints:
-        return "give at least one organism checkpoint folder"
-    for ck in args.checkpoints:
-        if not (ck / "config.json").is_file():
-            return (f"{ck} is not an organism checkpoint (no config.json); give a folder "
-                    f"that organism_checkpoint.py printed")
-    return None
+    return regimes_problem(args.regimes) or organisms_problem(args.checkpoints)
 
 
 def cosines(x) -> np.ndarray:

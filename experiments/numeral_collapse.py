@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import tyro
 
-from probekit.commands.common import script_error
+from probekit.commands.common import organisms_problem, script_error
 from probekit.core import model_cache
 
 usage_error = functools.partial(script_error, "numeral_collapse")
@@ -47,10 +47,8 @@ def _accuracy(checkpoint: Path) -> str:
 
 def main() -> int:
     args = tyro.cli(Args)
-    for ck in args.checkpoints:
-        if not (ck / "config.json").is_file():
-            return usage_error(f"{ck} is not an organism checkpoint (no config.json); give "
-                               f"a folder that organism_checkpoint.py printed")
+    if args.checkpoints and (problem := organisms_problem(args.checkpoints)):
+        return usage_error(problem)  # --init alone needs no checkpoint
     from probekit.training.checkpoint import load_checkpoint
     from probekit.training.numerals import numeral_cosines
     from probekit.training.organism import new_organism

@@ -234,6 +234,33 @@ def script_error(prog: str, message: str) -> int:
     return 2
 
 
+def regimes_problem(words) -> str | None:
+    """An experiment script's one-line problem with its ``--regimes`` words (each must be a
+    regime the engine runs), or None."""
+    from probekit.mechanisms.regimes import Regime
+
+    if not words:
+        return "--regimes needs at least one regime (none, last-<k>, full or passes=<n>)"
+    for word in words:
+        try:
+            Regime.parse(word)
+        except ValueError as e:
+            return f"--regimes: {e}"
+    return None
+
+
+def organisms_problem(checkpoints) -> str | None:
+    """An experiment script's one-line problem with its organism checkpoint folders (at
+    least one, each holding a ``config.json``), or None."""
+    if not checkpoints:
+        return "give at least one organism checkpoint folder"
+    for ck in checkpoints:
+        if not (Path(ck) / "config.json").is_file():
+            return (f"{ck} is not an organism checkpoint (no config.json); give a folder "
+                    f"that organism_checkpoint.py printed")
+    return None
+
+
 def say(*lines: str) -> None:
     """Print to stdout (commands print; the library never does)."""
     print(*lines, sep="\n", file=sys.stdout, flush=True)
