@@ -60,9 +60,9 @@ def fused_numerals(model, gate) -> tuple[Tensor, Tensor]:
 
 
 #: How many of the closest training pairs ``--close-pairs`` batches draw from: about the
-#: closest tenth of the 4,005. The misses spread over many pairs, ranked by closeness
-#: (docs/latent-feedback.md, "What the gate does to the numerals"): the closest 64 held
-#: 8-18% of three organisms' unequal rows missed under full, the closest 400 34-79%.
+#: closest tenth of the 4,005, since the misses spread over many pairs, ranked by
+#: closeness (why this size: docs/latent-feedback.md, "Training on the pairs the organism
+#: holds closest").
 CLOSE_POOL = 400
 
 
