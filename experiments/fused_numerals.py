@@ -51,20 +51,14 @@ def _problem(args: Args) -> str | None:
     return regimes_problem(args.regimes) or organisms_problem(args.checkpoints)
 
 
-def cosines(x) -> np.ndarray:
-    """``[..., n, n]`` cosines between the rows of ``x`` ``[..., n, D]``."""
-    import torch
-
-    unit = torch.nn.functional.normalize(x.float(), dim=-1)
-    return (unit @ unit.transpose(-1, -2)).numpy()
-
-
 def geometry(required, completed, embedding_cos: np.ndarray) -> dict[str, float]:
     """The first table's numbers: pairwise cosines of the numerals as embeddings, as fused
     inputs after ``required =`` and after ``completed =`` (given each required numeral),
     the smallest cosine of a numeral's two inputs, and how many of the 8,100 inputs after
     ``completed =`` are nearest (among the 90 after ``required =``) to their own numeral."""
     import torch
+
+    from probekit.training.numerals import cosines
 
     n = len(required)
     upper = np.triu_indices(n, 1)
@@ -87,7 +81,7 @@ def answers(checkpoint: Path, args: Args):
 
     from probekit.core.engine import StepEngine
     from probekit.training.checkpoint import load_checkpoint
-    from probekit.training.numerals import fused_numerals, numeral_cosines
+    from probekit.training.numerals import cosines, fused_numerals, numeral_cosines
     from probekit.training.organism import label_predictions
     from synthetic.completion import LABEL_WORDS, NUMERALS, completion_text
     from synthetic.dataset import label_token_ids

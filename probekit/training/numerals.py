@@ -19,15 +19,23 @@ from torch import Tensor
 from synthetic.completion import LABEL_WORDS, NUMERALS, completion_text
 
 
+def cosines(x: Tensor) -> np.ndarray:
+    """``[..., n, n]`` float32 cosines between the rows of ``x`` ``[..., n, D]``."""
+    unit = torch.nn.functional.normalize(x.float(), dim=-1)
+    return (unit @ unit.transpose(-1, -2)).numpy()
+
+
+def numeral_embeddings(model) -> Tensor:
+    """``[90, D]`` input embeddings of the numerals 10..99 (one token each), detached."""
+    ids = [model.tokenizer.convert_tokens_to_ids(str(n)) for n in NUMERALS]
+    return model.hf_model.get_input_embeddings().weight.detach()[ids]
+
+
 def numeral_cosines(model) -> np.ndarray:
     """``[90, 90]`` cosine similarities between the input embeddings of the completion
     task's numerals (10..99): how far apart the model keeps the symbols that completion
     must tell apart (near 0 at initialisation)."""
-    tok = model.tokenizer
-    ids = [tok.convert_tokens_to_ids(str(n)) for n in NUMERALS]
-    emb = model.hf_model.get_input_embeddings().weight.detach()[ids].float()
-    unit = torch.nn.functional.normalize(emb, dim=-1)
-    return (unit @ unit.T).numpy()
+    return cosines(numeral_embeddings(model))
 
 
 @torch.no_grad()
@@ -45,8 +53,7 @@ def fused_numerals(model, gate) -> tuple[Tensor, Tensor]:
     from probekit.mechanisms.latent_feedback import prefill
 
     tok, engine = model.tokenizer, StepEngine(model)
-    ids = [tok.convert_tokens_to_ids(str(n)) for n in NUMERALS]
-    emb = model.hf_model.get_input_embeddings().weight.detach()[ids]
+    emb = numeral_embeddings(model)
 
     def top_state(texts: list[str]) -> Tensor:  # h of each text's last token under full
         rows = tok(texts, add_special_tokens=False)["input_ids"]
@@ -54,7 +61,7 @@ def fused_numerals(model, gate) -> tuple[Tensor, Tensor]:
 
     h_required = top_state(["required ="])  # [1, D]
     h_completed = top_state([f"required = {a}\ncompleted =" for a in NUMERALS])  # [90, D]
-    required = gate(h_required.expand(len(ids), -1), emb).float()
+    required = gate(h_required.expand(len(emb), -1), emb).float()
     completed = gate(h_completed[:, None, :], emb[None, :, :]).float()
     return required, completed
 
