@@ -16,6 +16,8 @@ organism trained with a non-default schedule, fed-back state or task mix.
     python experiments/organism_checkpoint.py --seed 0 --copy-rows 0.25 --fixed-point 0.25 \
         --fixed-point-rows long
     python experiments/organism_checkpoint.py --seed 0 --copy-rows 0.25 --recall-rows 0.25
+    python experiments/organism_checkpoint.py --seed 0 --copy-rows 0.25 --close-pairs 0.25 \
+        --close-pairs-rows short --close-pairs-batch added
     python experiments/organism_checkpoint.py --seed 0 --feed residual
     python experiments/organism_checkpoint.py --seed 0 --tasks registers
     python experiments/organism_checkpoint.py --seed 0 --tasks registers --d-model 256 \
@@ -60,6 +62,12 @@ class Args:
     close_pairs: float | None = None
     """share of feedback batches of completion rows of the 400 training pairs the organism
     holds closest (default: the recipe's 0)"""
+    close_pairs_rows: Literal["all", "short"] | None = None
+    """null-update counts of the close-pair batches: all, or short (0-8) only (default:
+    the recipe's all)"""
+    close_pairs_batch: Literal["instead", "added"] | None = None
+    """a close-pair batch replaces the step's batch (instead) or trains beside it (added;
+    default: the recipe's instead)"""
     fixed_point_rows: Literal["all", "long"] | None = None
     """rows of the fixed-point batches: all, or long (16-256 null updates) only (default:
     the recipe's all)"""
@@ -83,7 +91,8 @@ class Args:
 
 #: Training flags that override the default recipe only when given.
 OVERRIDES = ("schedule", "steps", "lr", "lr_floor", "weight_decay", "feedback_start",
-             "fixed_point", "ahead_loss", "short_first", "fixed_point_rows", "close_pairs")
+             "fixed_point", "ahead_loss", "short_first", "fixed_point_rows", "close_pairs",
+             "close_pairs_rows", "close_pairs_batch")
 
 
 def recipe_of(args: Args) -> Recipe:

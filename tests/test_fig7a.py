@@ -251,6 +251,12 @@ def test_the_recipe_flags_are_organism_checkpoints():
     recipe = recipe_of(tyro.cli(Args, args=["--seed", "2", *flags(
         recipe_changes({"recipe": identity(Recipe.long_range(2)), "steps": 4500}, 2)).split()]))
     assert recipe == Recipe.long_range(2)
+    given = ["--seed", "0", "--close-pairs", "0.25", "--close-pairs-rows", "short",
+             "--close-pairs-batch", "added"]
+    recipe = recipe_of(tyro.cli(Args, args=given))
+    assert (recipe.train.close_pairs_rows, recipe.train.close_pairs_batch) == ("short", "added")
+    assert recipe_of(tyro.cli(Args, args=["--seed", "0", *flags(recipe_changes(
+        {"recipe": identity(recipe), "steps": 2000}, 0)).split()])) == recipe
     assert flags({}) == "the default recipe" and flags(None) == "not recorded"
 
 

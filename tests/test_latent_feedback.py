@@ -755,7 +755,7 @@ def test_close_pairs_replaces_batches_after_feedback_start_and_resumes_exactly(t
                                  add_special_tokens=False)["input_ids"]
     calls = []
 
-    def close(model, size, generator):
+    def close(model, size, generator, rows):
         calls.append(size)
         torch.rand((), generator=generator)  # it draws from the step's generator too
         return close_rows[:size]
@@ -802,6 +802,74 @@ def test_close_pairs_replaces_batches_after_feedback_start_and_resumes_exactly(t
         train(model, gate, data, dataclasses.replace(config, close_pairs=0.5),
               tmp_path / "none", progress=False)
     assert not (tmp_path / "none").exists()
+
+
+def test_close_pairs_batch_added_trains_beside_the_recipes_batch_and_resumes_exactly(
+        tmp_path, monkeypatch):
+    """--close-pairs-batch added: a close-pair step keeps its own batch and loss (the
+    close rows are drawn after every draw of the step) and adds the close batch's gradient,
+    logged as close_loss, before the one update; rows="short"/"all" reach close_rows.
+    Resuming is exact."""
+    model, gate, data = _tiny_organism_and_data()
+    close_rows = model.tokenizer(["state = 1\nscratch = 3\n# final state: one"] * 4,
+                                 add_special_tokens=False)["input_ids"]
+    asked = []
+
+    def close(model, size, generator, rows):
+        asked.append(rows)
+        torch.rand((), generator=generator)
+        return close_rows[:size]
+
+    data.close_rows = close
+    config = TrainConfig(mode="organism", steps=10, batch_size=4, lr=1e-2, warmup=2,
+                         lr_floor=1.0, eval_every=0, save_every=5, answer_weight=1.0,
+                         feedback_start=4, close_pairs=0.5, close_pairs_batch="added")
+
+    def trained(folder, **kw):
+        asked.clear()
+        model, gate, _ = _tiny_organism_and_data()
+        history = train(model, gate, data, dataclasses.replace(config, **kw),
+                        tmp_path / folder, progress=False)
+        return history, list(asked), model
+
+    plain, _, _ = trained("plain", close_pairs=1e-9)  # the same coins, never a close batch
+    added, rows, straight = trained("added", close_pairs_rows="short")
+    at = [i for i, e in enumerate(added) if "close_loss" in e]  # entry i: step i + 1
+    assert 0 < len(at) == len(rows) < 6 and set(rows) == {"short"} and min(at) >= 4
+    first = at[0]  # same weights and batch up to it: the step's own loss is the plain one
+    assert added[first]["loss"] == pytest.approx(plain[first]["loss"], abs=1e-6)
+    assert added[first]["passes"] == plain[first]["passes"]
+    assert added[first + 1]["loss"] != pytest.approx(plain[first + 1]["loss"], abs=1e-6)
+    instead, _, _ = trained("instead", close_pairs_batch="instead")
+    assert not any("close_loss" in e for e in instead)
+    assert instead[first]["loss"] != pytest.approx(plain[first]["loss"], abs=1e-6)
+    trained("halves", close_pairs_rows="short", steps=5)
+    _, _, resumed = trained("halves", close_pairs_rows="short")
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(
+        straight.hf_model.parameters(), resumed.hf_model.parameters(), strict=True))
+    assert set(trained("all")[1]) == {"all"}
+
+
+def test_organism_close_rows_short_draws_the_validation_rows_counts_only():
+    """organism_data's close_rows: "short" rows carry 0-8 null updates (the validation
+    rows' counts), "all" rows every training count."""
+    from probekit.training.data import organism_data
+    from probekit.training.organism import fit_tokenizer, new_organism
+
+    tok = fit_tokenizer()
+    data = organism_data(tok, tasks=("completion", "memory"), n_examples=40, seed=0)
+    model = new_organism(OrganismConfig(n_blocks=1, d_model=32, n_heads=2, d_mlp=64), seed=0)
+
+    def counts(rows):
+        out = set()
+        for s in range(24):
+            got = data.close_rows(model, 4, torch.Generator().manual_seed(s), rows)
+            out.add(tok.decode(got[0]).count("scratch +="))
+        return out
+
+    assert counts("short") == {0, 1, 2, 3, 4, 6, 8}
+    assert max(counts("all")) > 8
+    assert organism_data(tok, tasks=("memory",), n_examples=40, seed=0).close_rows is None
 
 
 @pytest.mark.parametrize("short_len, kw, message", [
@@ -945,6 +1013,12 @@ def test_train_config_validation():
     with pytest.raises(ValueError, match=(r"^--close-pairs draws the organism's completion "
                                           r"rows; it needs --mode organism$")):
         TrainConfig(mode="gate", close_pairs=0.5)
+    for name, value in (("close_pairs_rows", "short"), ("close_pairs_batch", "added")):
+        for kw in ({"mode": "gate"}, {"mode": "organism"}):
+            with pytest.raises(ValueError, match=(
+                    rf"^--{name.replace('_', '-')} {value} chooses the organism's close-pair "
+                    rf"batches; it needs --mode organism and --close-pairs > 0$")):
+                TrainConfig(**{name: value}, **kw)
     assert TrainConfig(schedule=[0.5, 0.5]).max_passes == 2
 
 

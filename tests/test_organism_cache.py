@@ -153,6 +153,10 @@ def test_the_recipe_key_follows_every_field_that_decides_the_weights():
             != small(fixed_point=0.5).key())
     assert small(close_pairs=0.0).key() == base.key()
     assert small(close_pairs=0.25).key() != base.key()
+    assert (small(close_pairs=0.25, close_pairs_rows="all", close_pairs_batch="instead").key()
+            == small(close_pairs=0.25).key())
+    assert len({small(close_pairs=0.25, **kw).key() for kw in (
+        {}, {"close_pairs_rows": "short"}, {"close_pairs_batch": "added"})}) == 3
     assert organism_folder(small(seed=3)).name.startswith("seed3-")
     with pytest.raises(ValueError, match="an organism recipe trains in organism mode, not gate"):
         Recipe(train=TrainConfig(mode="gate"))

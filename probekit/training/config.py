@@ -80,9 +80,16 @@ class TrainConfig:
     learned on short rows before the long rows come in (0: every row from the start)"""
     close_pairs: float = added_later(0.0)
     """organism mode: probability that a batch after --feedback-start holds, instead of
-    drawn rows, completion rows (all four assignments) of the 400 training pairs whose
+    (or beside: --close-pairs-batch) drawn rows, completion rows (all four assignments) of the 400 training pairs whose
     numerals the organism's embeddings hold closest at that step: the pairs it most often
     answers "done" for although they differ"""
+    close_pairs_rows: Literal["all", "short"] = added_later("all")
+    """organism mode: the null-update counts of the --close-pairs batches: every training
+    count by its weight (all), or only those of the validation rows (short: 0-8)"""
+    close_pairs_batch: Literal["instead", "added"] = added_later("instead")
+    """organism mode: a --close-pairs batch replaces the step's batch (instead) or trains
+    beside it, its loss's gradient added before the step's one update (added), so that
+    every batch of the recipe stays"""
     grad_clip: float = 1.0
     """gradient-norm clip (0: none)"""
     answer_weight: float | None = None
@@ -156,6 +163,11 @@ def _validate(c: TrainConfig) -> None:
     if c.close_pairs and c.mode != "organism":
         raise ValueError("--close-pairs draws the organism's completion rows; it needs "
                          "--mode organism")
+    for name, plain in (("close_pairs_rows", "all"), ("close_pairs_batch", "instead")):
+        if getattr(c, name) != plain and not (c.mode == "organism" and c.close_pairs):
+            raise ValueError(f"{flag(name)} {getattr(c, name)} chooses the organism's "
+                             f"close-pair batches; it needs --mode organism and "
+                             f"--close-pairs > 0")
     if not c.answer_weight > 0:
         raise ValueError(f"--answer-weight must be > 0; got {c.answer_weight}")
     for name in ("mixin", "fixed_point", "lr_floor", "close_pairs"):

@@ -7,7 +7,6 @@ so a resumed run sees exactly the batches an uninterrupted one would.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -47,9 +46,10 @@ class TrainData:
     #: row); ``batch(..., rows="short")`` draws only those, ``rows="long"`` only the others;
     #: None: every row is short
     short_len: int | None = None
-    #: organism mode with completion: ``(model, size, generator) -> rows`` of the pairs
-    #: the model holds closest now (``--close-pairs``); None: no such batches
-    close_rows: Callable[[Any, int, torch.Generator], list[list[int]]] | None = None
+    #: organism mode with completion: ``(model, size, generator, rows) -> rows`` of the
+    #: pairs the model holds closest now (``--close-pairs``), at every training length
+    #: (``rows="all"``) or at the validation rows' (``"short"``); None: no such batches
+    close_rows: Callable[[Any, int, torch.Generator, str], list[list[int]]] | None = None
 
     def __post_init__(self) -> None:
         self._by_length = sorted(range(len(self.train)), key=lambda i: len(self.train[i]))
@@ -75,9 +75,10 @@ class TrainData:
             idx = [pick[i] for i in torch.randint(lo, hi, (size,), generator=generator).tolist()]
         return pad_batch([self.train[i] for i in idx], self.pad_id)
 
-    def close_batch(self, model, size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    def close_batch(self, model, size: int, generator: torch.Generator,
+                    rows: Literal["all", "short"] = "all") -> tuple[Tensor, Tensor]:
         """A batch of :attr:`close_rows` (``--close-pairs``), padded as :meth:`batch`'s."""
-        return pad_batch(self.close_rows(model, size, generator), self.pad_id)
+        return pad_batch(self.close_rows(model, size, generator, rows), self.pad_id)
 
 
 def gate_data(model, seq_len: int, *, n_windows: int = 2048, val_windows: int = 16) -> TrainData:
@@ -117,6 +118,7 @@ def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int
     :func:`probekit.training.organism.train_distractors` of ``long_rows``."""
     from probekit.training.numerals import close_pair_rows
     from probekit.training.organism import (
+        PROBE_DISTRACTORS,
         held_out_pairs,
         probe_rows_by_task,
         train_distractors,
@@ -126,9 +128,15 @@ def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int
     kw = {"distractors": train_distractors(long_rows) if distractors is None
           else tuple(distractors)}
     weights = kw["distractors"]
-    close = None if "completion" not in tasks else functools.partial(
-        close_pair_rows, held_out=held_out_pairs(tokenizer), max_tokens=max_tokens,
-        distractors=weights if isinstance(weights, dict) else dict.fromkeys(weights, 1.0))
+    weights = weights if isinstance(weights, dict) else dict.fromkeys(weights, 1.0)
+    by_rows = {"all": weights,  # "short": the validation rows' counts
+               "short": {d: w for d, w in weights.items() if d <= max(PROBE_DISTRACTORS)}}
+
+    def close(model, size: int, generator: torch.Generator, rows: str) -> list[list[int]]:
+        return close_pair_rows(model, size, generator, held_out=held_out,
+                               distractors=by_rows[rows], max_tokens=max_tokens)
+
+    held_out = held_out_pairs(tokenizer) if "completion" in tasks else set()
     rows = training_examples(tokenizer, tasks, n_examples=n_examples, seed=seed + 1,
                              copy_share=copy_share, copy_from=copy_from,
                              recall_share=recall_share, **kw)
@@ -141,7 +149,7 @@ def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int
         val_tasks += [task] * len(batches)
     return TrainData(rows, val, pad_id=pad, bucket=True, max_tokens=max_tokens,
                      val_tasks=tuple(val_tasks), short_len=max(ids.shape[1] for ids, _ in val),
-                     close_rows=close,
+                     close_rows=close if "completion" in tasks else None,
                      description={"tasks": list(tasks), "train_examples": len(rows),
                                   "val_examples": sum(len(ids) for ids, _ in val),
                                   **({"copy_rows": int(n_examples * copy_share),

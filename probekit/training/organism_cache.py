@@ -118,10 +118,11 @@ class Recipe:
         # steps), but it is of a trained organism's; so are the data constants
         from probekit.training.organism import PROBE_DISTRACTORS
 
-        # --short-first's short rows (and --fixed-point-rows long's long ones) are told
-        # apart by the validation rows' length, whose null-update counts therefore shape
-        # their weights
-        by_length = self.train.short_first or self.train.fixed_point_rows != "all"
+        # --short-first's short rows (and --fixed-point-rows long's long ones, and
+        # --close-pairs-rows short's counts) are told apart by the validation rows' length
+        # or counts, whose null-update counts therefore shape their weights
+        by_length = (self.train.short_first or self.train.fixed_point_rows != "all"
+                     or self.train.close_pairs_rows != "all")
         short = {"short_rows_as_long_as": PROBE_DISTRACTORS} if by_length else {}
         return config_hash({"recipe": identity(self), "steps": self.train.steps,
                             "data": data_constants(self.data),

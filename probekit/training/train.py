@@ -3,7 +3,9 @@
 :func:`train` minimises the multi-pass objective (:mod:`probekit.training.objective`)
 with AdamW, linear warm-up and cosine decay to ``--lr-floor`` (default 10%) of the peak
 rate; ``--short-first`` steps at the start train on short rows only (a length curriculum),
-and ``--fixed-point-rows long`` draws the fixed-point batches from the long rows only.
+``--fixed-point-rows long`` draws the fixed-point batches from the long rows only, and
+``--close-pairs`` batches of the pairs the organism holds closest replace a step's batch
+or, with ``--close-pairs-batch added``, train beside it.
 Modes:
 
 - ``gate``: only the gate trains; the pretrained model is frozen. Pass 1 then does not
@@ -104,6 +106,19 @@ def _validate(hf, gate: FeedbackGate, data: TrainData, config: TrainConfig) -> d
     return out
 
 
+def _loss(hf, gate, ids, valid, K, config: TrainConfig, generator, head):
+    """The step's loss on one batch and its per-pass losses: ``K`` Jacobi passes
+    (:func:`multipass_loss`), or ``"full"``, the exact full-recurrence state fed back
+    through one pass (:func:`fixed_point_loss`)."""
+    weights = answer_weights(valid, config.answer_weight)
+    kw = dict(lam=config.lam, mixin=config.mixin, jitter=config.jitter, generator=generator,
+              ahead_head=head, ahead=config.ahead_loss)
+    if K == "full":
+        return fixed_point_loss(hf, gate, ids, weights, **kw)[:2]
+    return multipass_loss(hf, gate, ids, weights, K,
+                          first_pass_grad=config.mode == "organism", **kw)[:2]
+
+
 def train(
     model,
     gate: FeedbackGate,
@@ -169,29 +184,31 @@ def train(
                  and float(torch.rand((), generator=g)) < config.fixed_point)
         if fixed and config.fixed_point_rows == "long" and not short:  # a second draw,
             ids, valid = data.batch(config.batch_size, g, "long")  # after the others'
-        if (config.close_pairs > 0 and step >= config.feedback_start and not short
-                and float(torch.rand((), generator=g)) < config.close_pairs):  # likewise
-            ids, valid = data.close_batch(model, config.batch_size, g)
+        close = (config.close_pairs > 0 and step >= config.feedback_start and not short
+                 and float(torch.rand((), generator=g)) < config.close_pairs)  # likewise
+        if close and config.close_pairs_batch == "instead":
+            ids, valid = data.close_batch(model, config.batch_size, g, config.close_pairs_rows)
         lr = lr_at(step, config)
         for group in opt.param_groups:
             group["lr"] = lr
-        weights = answer_weights(valid, config.answer_weight)
-        kw = dict(lam=config.lam, mixin=config.mixin, jitter=config.jitter, generator=g,
-                  ahead_head=head, ahead=config.ahead_loss)
-        if fixed:
-            K = "full"
-            total, losses, _ = fixed_point_loss(hf, gate, ids, weights, **kw)
-        else:
-            total, losses, _ = multipass_loss(
-                hf, gate, ids, weights, K, first_pass_grad=config.mode == "organism", **kw)
+        K = "full" if fixed else K
+        total, losses = _loss(hf, gate, ids, valid, K, config, g, head)
+        entry = {}
         if total.requires_grad:  # gate mode, K = 1: nothing trainable in the loss
             opt.zero_grad(set_to_none=True)
             total.backward()
+            if close and config.close_pairs_batch == "added":  # drawn after the step's own
+                close_ids, close_valid = data.close_batch(  # draws; the gradients add up
+                    model, config.batch_size, g, config.close_pairs_rows)
+                close_loss, _ = _loss(hf, gate, close_ids, close_valid, K, config, g, head)
+                close_loss.backward()
+                entry["close_loss"] = close_loss.item()
             if config.grad_clip:
                 torch.nn.utils.clip_grad_norm_([p for _, p in trainable], config.grad_clip)
             opt.step()
         entry = {"step": step + 1, "passes": K, "lr": lr, "loss": total.item(),
-                 "pass_losses": [v.item() for v in losses], "time": t_done + time.time() - t0}
+                 "pass_losses": [v.item() for v in losses], **entry,
+                 "time": t_done + time.time() - t0}
         done = step + 1 == config.steps
         if (config.eval_every and (step + 1) % config.eval_every == 0) or done:
             entry.update(_validate(hf, gate, data, config))
