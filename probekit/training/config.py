@@ -80,9 +80,9 @@ class TrainConfig:
     learned on short rows before the long rows come in (0: every row from the start)"""
     close_pairs: float = added_later(0.0)
     """organism mode: probability that a batch after --feedback-start holds, instead of
-    (or beside: --close-pairs-batch) drawn rows, completion rows (all four assignments) of the 400 training pairs whose
-    numerals the organism's embeddings hold closest at that step: the pairs it most often
-    answers "done" for although they differ"""
+    (or beside: --close-pairs-batch) drawn rows, completion rows (all four assignments) of
+    the 400 training pairs whose numerals the organism's embeddings hold closest at that
+    step: the pairs it most often answers "done" for although they differ"""
     close_pairs_rows: Literal["all", "short"] = added_later("all")
     """organism mode: the null-update counts of the --close-pairs batches: every training
     count by its weight (all), or only those of the validation rows (short: 0-8)"""

@@ -131,12 +131,12 @@ def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int
     weights = weights if isinstance(weights, dict) else dict.fromkeys(weights, 1.0)
     by_rows = {"all": weights,  # "short": the validation rows' counts
                "short": {d: w for d, w in weights.items() if d <= max(PROBE_DISTRACTORS)}}
+    held_out = held_out_pairs(tokenizer) if "completion" in tasks else set()
 
     def close(model, size: int, generator: torch.Generator, rows: str) -> list[list[int]]:
         return close_pair_rows(model, size, generator, held_out=held_out,
                                distractors=by_rows[rows], max_tokens=max_tokens)
 
-    held_out = held_out_pairs(tokenizer) if "completion" in tasks else set()
     rows = training_examples(tokenizer, tasks, n_examples=n_examples, seed=seed + 1,
                              copy_share=copy_share, copy_from=copy_from,
                              recall_share=recall_share, **kw)

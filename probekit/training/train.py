@@ -193,7 +193,7 @@ def train(
             group["lr"] = lr
         K = "full" if fixed else K
         total, losses = _loss(hf, gate, ids, valid, K, config, g, head)
-        entry = {}
+        extra = {}
         if total.requires_grad:  # gate mode, K = 1: nothing trainable in the loss
             opt.zero_grad(set_to_none=True)
             total.backward()
@@ -202,12 +202,12 @@ def train(
                     model, config.batch_size, g, config.close_pairs_rows)
                 close_loss, _ = _loss(hf, gate, close_ids, close_valid, K, config, g, head)
                 close_loss.backward()
-                entry["close_loss"] = close_loss.item()
+                extra["close_loss"] = close_loss.item()
             if config.grad_clip:
                 torch.nn.utils.clip_grad_norm_([p for _, p in trainable], config.grad_clip)
             opt.step()
         entry = {"step": step + 1, "passes": K, "lr": lr, "loss": total.item(),
-                 "pass_losses": [v.item() for v in losses], **entry,
+                 "pass_losses": [v.item() for v in losses], **extra,
                  "time": t_done + time.time() - t0}
         done = step + 1 == config.steps
         if (config.eval_every and (step + 1) % config.eval_every == 0) or done:
