@@ -745,22 +745,28 @@ def test_close_pair_rows_hold_all_four_assignments_of_the_closest_training_pairs
     assert np.mean([t.endswith(" done") for s in range(8) for t in rows(4, s)]) == 0.5
 
 
+def _stand_in_close_rows(model, calls: list):
+    """A ``TrainData.close_rows`` stand-in: one fixed row, each call's ``(size, rows)``
+    recorded; it draws from the step's generator too, as the real one does."""
+    row = model.tokenizer("state = 1\nscratch = 3\n# final state: one",
+                          add_special_tokens=False)["input_ids"]
+
+    def close(model, size, generator, rows):
+        calls.append((size, rows))
+        torch.rand((), generator=generator)
+        return [list(row)] * size
+
+    return close
+
+
 def test_close_pairs_replaces_batches_after_feedback_start_and_resumes_exactly(tmp_path,
                                                                               monkeypatch):
     """--close-pairs: after --feedback-start, a last coin (drawn after every other draw of
     the step) swaps the batch for close_rows; the other draws are those of the recipe
     without it. Resuming is exact, and the option changes what is trained."""
     model, gate, data = _tiny_organism_and_data()
-    close_rows = model.tokenizer(["state = 1\nscratch = 3\n# final state: one"] * 4,
-                                 add_special_tokens=False)["input_ids"]
     calls = []
-
-    def close(model, size, generator, rows):
-        calls.append(size)
-        torch.rand((), generator=generator)  # it draws from the step's generator too
-        return close_rows[:size]
-
-    data.close_rows = close
+    data.close_rows = _stand_in_close_rows(model, calls)
     config = TrainConfig(mode="organism", steps=12, batch_size=4, lr=1e-2, warmup=2,
                          lr_floor=1.0, eval_every=0, save_every=6, answer_weight=1.0,
                          feedback_start=4)
@@ -786,7 +792,7 @@ def test_close_pairs_replaces_batches_after_feedback_start_and_resumes_exactly(t
     assert none == []
     draws, calls_made, straight = drawn("close", close_pairs=0.5)
     assert draws == plain  # every other draw is the recipe's own
-    assert 0 < len(calls_made) < 8 and set(calls_made) == {4}  # only steps 4..11, some
+    assert 0 < len(calls_made) < 8 and set(calls_made) == {(4, "all")}  # steps 4..11, some
     _, every, _ = drawn("always", close_pairs=1.0)
     assert len(every) == 8
     assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(
@@ -811,16 +817,8 @@ def test_close_pairs_batch_added_trains_beside_the_recipes_batch_and_resumes_exa
     logged as close_loss, before the one update; rows="short"/"all" reach close_rows.
     Resuming is exact."""
     model, gate, data = _tiny_organism_and_data()
-    close_rows = model.tokenizer(["state = 1\nscratch = 3\n# final state: one"] * 4,
-                                 add_special_tokens=False)["input_ids"]
     asked = []
-
-    def close(model, size, generator, rows):
-        asked.append(rows)
-        torch.rand((), generator=generator)
-        return close_rows[:size]
-
-    data.close_rows = close
+    data.close_rows = _stand_in_close_rows(model, asked)
     config = TrainConfig(mode="organism", steps=10, batch_size=4, lr=1e-2, warmup=2,
                          lr_floor=1.0, eval_every=0, save_every=5, answer_weight=1.0,
                          feedback_start=4, close_pairs=0.5, close_pairs_batch="added")
@@ -830,7 +828,7 @@ def test_close_pairs_batch_added_trains_beside_the_recipes_batch_and_resumes_exa
         model, gate, _ = _tiny_organism_and_data()
         history = train(model, gate, data, dataclasses.replace(config, **kw),
                         tmp_path / folder, progress=False)
-        return history, list(asked), model
+        return history, [rows for _, rows in asked], model
 
     plain, _, _ = trained("plain", close_pairs=1e-9)  # the same coins, never a close batch
     added, rows, straight = trained("added", close_pairs_rows="short")
