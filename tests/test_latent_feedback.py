@@ -811,7 +811,7 @@ def test_close_pairs_replaces_batches_after_feedback_start_and_resumes_exactly(t
 
 
 def test_close_pairs_batch_added_trains_beside_the_recipes_batch_and_resumes_exactly(
-        tmp_path, monkeypatch):
+        tmp_path):
     """--close-pairs-batch added: a close-pair step keeps its own batch and loss (the
     close rows are drawn after every draw of the step) and adds the close batch's gradient,
     logged as close_loss, before the one update; rows="short"/"all" reach close_rows.
