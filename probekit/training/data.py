@@ -131,11 +131,13 @@ def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int
     weights = weights if isinstance(weights, dict) else dict.fromkeys(weights, 1.0)
     by_rows = {"all": weights,  # "short": the validation rows' counts
                "short": {d: w for d, w in weights.items() if d <= max(PROBE_DISTRACTORS)}}
-    held_out = held_out_pairs(tokenizer) if "completion" in tasks else set()
+    close = None
+    if "completion" in tasks:
+        held_out = held_out_pairs(tokenizer)
 
-    def close(model, size: int, generator: torch.Generator, rows: str) -> list[list[int]]:
-        return close_pair_rows(model, size, generator, held_out=held_out,
-                               distractors=by_rows[rows], max_tokens=max_tokens)
+        def close(model, size: int, generator: torch.Generator, rows: str) -> list[list[int]]:
+            return close_pair_rows(model, size, generator, held_out=held_out,
+                                   distractors=by_rows[rows], max_tokens=max_tokens)
 
     rows = training_examples(tokenizer, tasks, n_examples=n_examples, seed=seed + 1,
                              copy_share=copy_share, copy_from=copy_from,
@@ -149,7 +151,7 @@ def organism_data(tokenizer, *, tasks: Sequence[str], n_examples: int, seed: int
         val_tasks += [task] * len(batches)
     return TrainData(rows, val, pad_id=pad, bucket=True, max_tokens=max_tokens,
                      val_tasks=tuple(val_tasks), short_len=max(ids.shape[1] for ids, _ in val),
-                     close_rows=close if "completion" in tasks else None,
+                     close_rows=close,
                      description={"tasks": list(tasks), "train_examples": len(rows),
                                   "val_examples": sum(len(ids) for ids, _ in val),
                                   **({"copy_rows": int(n_examples * copy_share),
