@@ -29,6 +29,19 @@ MODE_DEFAULTS = {
 }
 
 
+#: Options only the organism trains with: (field, what it does, the option it also needs).
+#: At its default a field is off and needs nothing; the error names what it needs.
+ORGANISM_ONLY = (
+    ("ahead_loss", "trains the organism's top states to predict two tokens ahead", None),
+    ("short_first", "draws the organism's short task rows first", None),
+    ("fixed_point_rows", "chooses the rows of the organism's fixed-point batches",
+     "fixed_point"),
+    ("close_pairs", "draws the organism's completion rows", None),
+    ("close_pairs_rows", "chooses the organism's close-pair batches", "close_pairs"),
+    ("close_pairs_batch", "chooses the organism's close-pair batches", "close_pairs"),
+)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Multi-pass training of a latent-feedback gate (paper Sec. 3.3, App. C)."""
@@ -150,24 +163,14 @@ def _validate(c: TrainConfig) -> None:
             raise ValueError(f"{flag(name)} must be >= 0; got {getattr(c, name)}")
     if not 0 <= c.ahead_loss < math.inf:  # NaN fails too
         raise ValueError(f"--ahead-loss must be a finite number >= 0; got {c.ahead_loss}")
-    if c.ahead_loss and c.mode != "organism":
-        raise ValueError("--ahead-loss trains the organism's top states to predict two "
-                         "tokens ahead; it needs --mode organism")
-    if c.short_first and c.mode != "organism":
-        raise ValueError("--short-first draws the organism's short task rows first; it needs "
-                         "--mode organism")
-    if c.fixed_point_rows != "all" and not (c.mode == "organism" and c.fixed_point):
-        raise ValueError(f"--fixed-point-rows {c.fixed_point_rows} chooses the rows of the "
-                         f"organism's fixed-point batches; it needs --mode organism and "
-                         f"--fixed-point > 0")
-    if c.close_pairs and c.mode != "organism":
-        raise ValueError("--close-pairs draws the organism's completion rows; it needs "
-                         "--mode organism")
-    for name, plain in (("close_pairs_rows", "all"), ("close_pairs_batch", "instead")):
-        if getattr(c, name) != plain and not (c.mode == "organism" and c.close_pairs):
-            raise ValueError(f"{flag(name)} {getattr(c, name)} chooses the organism's "
-                             f"close-pair batches; it needs --mode organism and "
-                             f"--close-pairs > 0")
+    defaults = {f.name: f.default for f in dataclasses.fields(c)}
+    for name, does, also in ORGANISM_ONLY:
+        v = getattr(c, name)
+        if v == defaults[name] or (c.mode == "organism" and (also is None or getattr(c, also))):
+            continue
+        named = f"{flag(name)} {v}" if isinstance(v, str) else flag(name)
+        needs = f"--mode organism and {flag(also)} > 0" if also else "--mode organism"
+        raise ValueError(f"{named} {does}; it needs {needs}")
     if not c.answer_weight > 0:
         raise ValueError(f"--answer-weight must be > 0; got {c.answer_weight}")
     for name in ("mixin", "fixed_point", "lr_floor", "close_pairs"):
