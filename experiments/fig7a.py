@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +183,17 @@ def _describe(changes: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v}" for k, v in changes.items()) or "the default recipe"
 
 
+def figure_title(changes: dict[str, Any], seeds: Sequence[int]) -> str:
+    """The figure's title: the seeds, then the recipe's changes wrapped at 140
+    characters, which fit the figure's width at its 9 pt (one line ran off both sides)."""
+    shown = (f"training seed {seeds[0]}" if len(seeds) == 1
+             else f"{len(seeds)} training seeds: mean, min-max")
+    title = f"latent feedback on probekit's organism ({shown})"
+    if changes:
+        title += "\n" + textwrap.fill(f"recipe: {_describe(changes)}", 140)
+    return title
+
+
 def main() -> int:
     args = tyro.cli(Args)
     try:
@@ -190,11 +203,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(out, indent=1))
     recipe = _describe(out["recipe_changes"])
-    seeds = (f"training seed {args.seeds[0]}" if len(args.seeds) == 1
-             else f"{len(args.seeds)} training seeds: mean, min-max")
-    fig = plot_by_length(out["results"], title=f"latent feedback on probekit's organism "
-                         f"({seeds})"
-                         + ("" if not out["recipe_changes"] else f"\nrecipe: {recipe}"))
+    fig = plot_by_length(out["results"], title=figure_title(out["recipe_changes"], args.seeds))
     fig.savefig(args.out / f"{args.name}.png", dpi=120)
     print(f"organisms: {recipe}")
     for task, v in out["verdicts"].items():

@@ -23,7 +23,7 @@ from probekit.training.organism_cache import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
-from fig7a import recipe_changes, seed_verdicts  # noqa: E402
+from fig7a import figure_title, recipe_changes, seed_verdicts  # noqa: E402
 from fig7a_recipes import HEADER, committed_figures, flags, table  # noqa: E402
 from organism_checkpoint import Args, recipe_of  # noqa: E402
 
@@ -100,6 +100,19 @@ def test_recipe_changes_names_the_fields_that_differ_from_the_default():
     # an organism of seed 3 shown as seed 1's differs in its seed
     assert recipe_changes({"recipe": identity(Recipe.default(3)), "steps": 2000}, 1) == {
         "train.seed": 3}
+
+
+def test_a_long_recipe_wraps_in_the_figure_title_and_loses_no_flag():
+    long = Recipe.default(0, copy_rows=0.25, long_rows=4.0, fixed_point=0.25, steps=4500,
+                          lr_floor=0.0, ahead_loss=4.0, short_first=1500, close_pairs=0.25,
+                          close_pairs_rows="short", close_pairs_batch="added")
+    changes = recipe_changes({"recipe": identity(long), "steps": 4500}, 0)
+    title = figure_title(changes, [0, 1, 2, 3, 4])
+    first, *recipe = title.splitlines()
+    assert first == "latent feedback on probekit's organism (5 training seeds: mean, min-max)"
+    assert len(recipe) > 1 and all(len(line) <= 140 for line in recipe)  # at 9 pt it fits
+    assert " ".join(recipe) == "recipe: " + ", ".join(f"{k} {v}" for k, v in changes.items())
+    assert figure_title({}, [3]) == "latent feedback on probekit's organism (training seed 3)"
 
 
 def test_a_recipe_figure_shows_that_recipes_cached_organisms_under_its_own_name(recipe_run):
