@@ -19,6 +19,7 @@ organism trained with a non-default schedule, fed-back state or task mix.
     python experiments/organism_checkpoint.py --seed 0 --copy-rows 0.25 --close-pairs 0.25 \
         --close-pairs-rows short --close-pairs-batch added
     python experiments/organism_checkpoint.py --seed 0 --feed residual
+    python experiments/organism_checkpoint.py --seed 0 --copy-rows 0.25 --ema 0.999
     python experiments/organism_checkpoint.py --seed 0 --tasks registers
     python experiments/organism_checkpoint.py --seed 0 --tasks registers --d-model 256 \
         --n-heads 8
@@ -68,6 +69,9 @@ class Args:
     close_pairs_batch: Literal["instead", "added"] | None = None
     """a close-pair batch replaces the step's batch (instead) or trains beside it (added;
     default: the recipe's instead)"""
+    ema: float | None = None
+    """decay of the moving average of the weights the organism is saved as (default: the
+    recipe's 0, the last weights)"""
     fixed_point_rows: Literal["all", "long"] | None = None
     """rows of the fixed-point batches: all, or long (16-256 null updates) only (default:
     the recipe's all)"""
@@ -92,7 +96,7 @@ class Args:
 #: Training flags that override the default recipe only when given.
 OVERRIDES = ("schedule", "steps", "lr", "lr_floor", "weight_decay", "feedback_start",
              "fixed_point", "ahead_loss", "short_first", "fixed_point_rows", "close_pairs",
-             "close_pairs_rows", "close_pairs_batch")
+             "close_pairs_rows", "close_pairs_batch", "ema")
 
 
 def recipe_of(args: Args) -> Recipe:

@@ -459,6 +459,105 @@ def test_resuming_with_ahead_loss_needs_the_head_in_the_checkpoint(tmp_path):
     assert "\n" not in str(err.value)
 
 
+def _ema_kw(**kw):
+    return {**dict(mode="organism", batch_size=8, lr=1e-2, warmup=2, lr_floor=1.0,
+                   eval_every=0, save_every=5, answer_weight=1.0, feedback_start=4, fixed_point=0.3,
+                   ahead_loss=1.0), **kw}
+
+
+def test_ema_saves_the_average_of_the_weights_from_feedback_start_and_resumes_exactly(
+        tmp_path, monkeypatch):
+    """--ema D: the checkpoint's organism, gate and head are the exponential moving
+    average of the weights after each step from --feedback-start on (the first such step
+    starts it; then avg <- D avg + (1 - D) w), computed here from a plain run's weights
+    step by step; the raw weights, kept in training.safetensors, are the plain run's
+    (the average never feeds back into training); resuming restores both exactly."""
+    from safetensors.torch import load_file
+
+    import probekit.training.train as trainer
+
+    seen = []  # the plain run's weights after every step (save_every=1)
+    real_save = trainer.save_checkpoint
+
+    def recording_save(folder, **kw):
+        named = {f"gate.{k}": v for k, v in kw["gate"].state_dict().items()}
+        named |= {f"model.{k}": v for k, v in kw["model"].hf_model.named_parameters()}
+        named |= {f"ahead.{k}": v for k, v in kw["ahead"].state_dict().items()}
+        seen.append((kw["step"], {k: v.detach().clone() for k, v in named.items()}))
+        return real_save(folder, **kw)
+
+    model, gate, data = _tiny_organism_and_data()
+    monkeypatch.setattr(trainer, "save_checkpoint", recording_save)
+    train(model, gate, data, TrainConfig(steps=10, **_ema_kw(save_every=1)),
+          tmp_path / "plain", progress=False)
+    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    weights = dict(seen)  # step -> weights after it
+    want = dict(weights[5])  # step 5 is the first at or after --feedback-start (index 4)
+    for step in range(6, 11):
+        want = {k: 0.75 * v + 0.25 * weights[step][k] for k, v in want.items()}
+
+    model_a, gate_a, _ = _tiny_organism_and_data()
+    train(model_a, gate_a, data, TrainConfig(steps=10, **_ema_kw(ema=0.75)), tmp_path / "a",
+          progress=False)
+    model_b, gate_b, _ = _tiny_organism_and_data()  # stopped at step 5, resumed fresh
+    train(model_b, gate_b, data, TrainConfig(steps=5, **_ema_kw(ema=0.75)), tmp_path / "b",
+          progress=False)
+    model_b, gate_b, _ = _tiny_organism_and_data()
+    train(model_b, gate_b, data, TrainConfig(steps=10, **_ema_kw(ema=0.75)), tmp_path / "b",
+          progress=False)
+    for run in "ab":
+        folder = tmp_path / run
+        saved = {k: v for k, v in load_file(str(folder / "model.safetensors")).items()}
+        saved |= {f"model.{k}": v for k, v in
+                  load_file(str(folder / "organism" / "model.safetensors")).items()}
+        raw = load_file(str(folder / "training.safetensors"))
+        assert set(raw) == set(weights[10]) and set(want) <= set(saved)
+        for k in want:
+            assert torch.allclose(saved[k], want[k], atol=1e-6), (run, k)
+            assert torch.allclose(raw[k], weights[10][k], atol=1e-6), (run, k)
+        assert not torch.allclose(saved["gate.W_G.weight"], raw["gate.W_G.weight"], atol=1e-4)
+    # the modules end with the average in them: what the checkpoint loads
+    loaded = load_checkpoint(tmp_path / "a")
+    for x, y in zip(loaded.model.hf_model.parameters(), model_a.hf_model.parameters(),
+                    strict=True):
+        assert torch.allclose(x, y, atol=1e-6)
+    assert loaded.model.content_hash == model_a.content_hash
+
+
+def test_ema_validates_the_average_and_starts_at_feedback_start(tmp_path):
+    """Validation measures the weights the checkpoint saves: before --feedback-start the
+    raw ones (no average yet, no training.safetensors), at the end the average."""
+    model, gate, data = _tiny_organism_and_data()
+    history = train(model, gate, data, TrainConfig(steps=3, **_ema_kw(ema=0.75)),
+                    tmp_path / "early", progress=False)
+    assert not (tmp_path / "early" / "training.safetensors").exists()
+    plain = train(*_tiny_organism_and_data(), TrainConfig(steps=3, **_ema_kw()),
+                  tmp_path / "plain", progress=False)
+    assert history[-1]["val_pass_losses"] == plain[-1]["val_pass_losses"]
+    model, gate, data = _tiny_organism_and_data()
+    history = train(model, gate, data, TrainConfig(steps=10, **_ema_kw(ema=0.75)),
+                    tmp_path / "ck", progress=False)
+    loaded = load_checkpoint(tmp_path / "ck")
+    again = evaluate(loaded.model.hf_model, loaded.gate, data.val, 3)["loss"]
+    assert history[-1]["val_pass_losses"] == pytest.approx(again, abs=1e-6)
+
+
+def test_resuming_with_another_ema_is_refused_before_training(tmp_path):
+    """A checkpoint saves the average with --ema and the last weights without: resuming
+    it with another --ema would mix the two, so it is refused in one line naming both."""
+    model, gate, data = _tiny_organism_and_data()
+    train(model, gate, data, TrainConfig(steps=5, **_ema_kw(ema=0.75)), tmp_path / "ck",
+          progress=False)
+    before = (tmp_path / "ck" / "config.json").read_text()
+    for other in (0.0, 0.5):
+        with pytest.raises(ValueError, match=(
+                rf"^{tmp_path / 'ck'} was trained with --ema 0.75, not {other}: resume it "
+                rf"with --ema 0.75, or train into another folder$")):
+            train(model, gate, data, TrainConfig(steps=10, **_ema_kw(ema=other)),
+                  tmp_path / "ck", progress=False)
+    assert (tmp_path / "ck" / "config.json").read_text() == before
+
+
 def _byte_data(seq=24, n=64, seed=0):
     """Text the tiny byte-level model can learn quickly: a repeated phrase."""
     text = ("the cat sat on the mat. " * 40).encode()
@@ -989,6 +1088,9 @@ def test_train_config_validation():
         TrainConfig(mixin=2.0)
     with pytest.raises(ValueError, match=r"^--lr-floor must lie in \[0, 1\]; got -0.1$"):
         TrainConfig(lr_floor=-0.1)
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match=rf"^--ema must lie in \[0, 1\); got {bad}$"):
+            TrainConfig(ema=bad)
     with pytest.raises(ValueError, match=r"^--ahead-loss must be a finite number >= 0; got -1.0$"):
         TrainConfig(mode="organism", ahead_loss=-1.0)
     with pytest.raises(ValueError, match=r"^--ahead-loss must be a finite number >= 0; got inf$"):

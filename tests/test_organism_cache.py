@@ -157,6 +157,8 @@ def test_the_recipe_key_follows_every_field_that_decides_the_weights():
             == small(close_pairs=0.25).key())
     assert len({small(close_pairs=0.25, **kw).key() for kw in (
         {}, {"close_pairs_rows": "short"}, {"close_pairs_batch": "added"})}) == 3
+    assert small(ema=0.0).key() == base.key()  # added later: older organisms keep theirs
+    assert len({small(ema=0.99).key(), small(ema=0.999).key(), base.key()}) == 3
     assert organism_folder(small(seed=3)).name.startswith("seed3-")
     with pytest.raises(ValueError, match="an organism recipe trains in organism mode, not gate"):
         Recipe(train=TrainConfig(mode="gate"))

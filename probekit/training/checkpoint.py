@@ -9,6 +9,9 @@ A checkpoint is a folder (``<run>/checkpoint/`` of ``probekit train-feedback``):
     model.safetensors      the gate (``gate.*``) and, with ``--ahead-loss``, the training-only
                            head of that loss (``ahead.*``)
     optimizer.safetensors  AdamW moments (for resuming)
+    training.safetensors   with ``--ema``, once averaging has begun: the last weights
+                           (``gate.*``, ``model.*``, ``ahead.*``), from which training
+                           resumes; the organism and gate above then hold their average
     history.json           per-step losses and validations
     organism/              organism mode: an ordinary Hugging Face folder (load_model reads it)
 
@@ -82,6 +85,7 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, Tensor], l
 
 
 STEP_FILE = "probekit-step.json"  # the training step of an organism folder
+TRAINING_WEIGHTS = "training.safetensors"  # the last weights when the saved ones average them
 
 
 def _save_organism(folder: Path, model, step: int) -> None:
@@ -102,9 +106,12 @@ def _save_organism(folder: Path, model, step: int) -> None:
 def save_checkpoint(folder: str | Path, *, gate: FeedbackGate, model, config: TrainConfig,
                     step: int, optimizer: torch.optim.Optimizer | None = None,
                     history: list | None = None, organism_config: dict | None = None,
-                    ahead: torch.nn.Module | None = None) -> Path:
+                    ahead: torch.nn.Module | None = None,
+                    training_weights: dict[str, Tensor] | None = None) -> Path:
     """Write a checkpoint folder (module docstring). Files are replaced one by one
-    atomically, ``config.json`` last, so a reader never sees a newer config than weights."""
+    atomically, ``config.json`` last, so a reader never sees a newer config than weights.
+    ``training_weights``: the weights training resumes from, by trainable name, when the
+    modules hold their ``--ema`` average."""
     folder = Path(folder)
     config = config.resolved()
     if gate.feed != config.feed:
@@ -121,6 +128,10 @@ def save_checkpoint(folder: str | Path, *, gate: FeedbackGate, model, config: Tr
     if optimizer is not None:
         tensors, groups = _optimizer_tensors(optimizer)
         _write_safetensors(folder / "optimizer.safetensors", tensors, step)
+    if training_weights is not None:
+        _write_safetensors(folder / TRAINING_WEIGHTS, training_weights, step)
+    else:
+        (folder / TRAINING_WEIGHTS).unlink(missing_ok=True)
     if history is not None:
         write_json(folder / "history.json", history)
     identity = model_identity(model)
@@ -198,9 +209,10 @@ def check_checkpoint(path: str | Path) -> dict:
                 steps[f] = (st.metadata() or {}).get("step")
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{f} is not a readable safetensors file ({e}); {DAMAGED}") from None
-    if (path / "optimizer.safetensors").is_file():
-        with safe_open(str(path / "optimizer.safetensors"), framework="pt") as st:
-            steps[path / "optimizer.safetensors"] = (st.metadata() or {}).get("step")
+    for extra in ("optimizer.safetensors", TRAINING_WEIGHTS):
+        if (path / extra).is_file():
+            with safe_open(str(path / extra), framework="pt") as st:
+                steps[path / extra] = (st.metadata() or {}).get("step")
     if (path / "organism" / STEP_FILE).is_file():
         steps[path / "organism" / STEP_FILE] = json.loads(
             (path / "organism" / STEP_FILE).read_text()).get("step")
@@ -306,6 +318,10 @@ def restore_training(path: str | Path, *, gate: FeedbackGate, model, config: Tra
     if gate_feed(cfg) != gate.feed:
         raise ValueError(f"{path} holds a gate that feeds back the {gate_feed(cfg)} state, "
                          f"not {gate.feed}; use --feed {gate_feed(cfg)} or another run dir")
+    ema = cfg.get("train", {}).get("ema", 0.0)  # older checkpoints: no average
+    if ema != config.ema:
+        raise ValueError(f"{path} was trained with --ema {ema}, not {config.ema}: resume it "
+                         f"with --ema {ema}, or train into another folder")
     history = read_history(path)
     _load_gate(gate, path)
     if ahead is not None:
@@ -326,3 +342,25 @@ def restore_training(path: str | Path, *, gate: FeedbackGate, model, config: Tra
         optimizer.load_state_dict({"state": state,
                                    "param_groups": cfg["optimizer_param_groups"]})
     return int(cfg["step"]), history
+
+
+def restore_average(path: str | Path,
+                    trainable: list[tuple[str, torch.nn.Parameter]]) -> list[Tensor] | None:
+    """After :func:`restore_training`, whose modules then hold an ``--ema`` checkpoint's
+    average: that average (in ``trainable``'s order), with the last weights of
+    ``training.safetensors`` loaded into the modules to resume from. None, and nothing
+    changed, when the checkpoint holds no average."""
+    from safetensors.torch import load_file
+
+    path = Path(path) / TRAINING_WEIGHTS
+    if not path.is_file():
+        return None
+    last = load_file(str(path))
+    missing = [name for name, _ in trainable if name not in last]
+    if missing:
+        raise ValueError(f"{path} lacks {missing[0]}; {DAMAGED}")
+    average = [p.detach().clone() for _, p in trainable]
+    with torch.no_grad():
+        for name, p in trainable:
+            p.copy_(last[name])
+    return average

@@ -103,6 +103,11 @@ class TrainConfig:
     """organism mode: a --close-pairs batch replaces the step's batch (instead) or trains
     beside it, its loss's gradient added before the step's one update (added), so that
     every batch of the recipe stays"""
+    ema: float = added_later(0.0)
+    """decay D of an exponential moving average of the trained weights, taken after every
+    step from --feedback-start on (average <- D average + (1 - D) weights): the checkpoint
+    saves, and validation measures, the average, and keeps the last weights beside it to
+    resume (0: none, the last weights; 0.999 averages about the last 1,000 steps)"""
     grad_clip: float = 1.0
     """gradient-norm clip (0: none)"""
     answer_weight: float | None = None
@@ -164,6 +169,8 @@ def _validate(c: TrainConfig) -> None:
     if not 0 <= c.ahead_loss < math.inf:  # NaN fails too
         raise ValueError(f"--ahead-loss must be a finite number >= 0; got {c.ahead_loss}")
     defaults = {f.name: f.default for f in dataclasses.fields(c)}
+    if not 0 <= c.ema < 1:  # 1 would never leave the first weights (NaN: check_fields)
+        raise ValueError(f"--ema must lie in [0, 1); got {c.ema}")
     for name, does, also in ORGANISM_ONLY:
         v = getattr(c, name)
         if v == defaults[name] or (c.mode == "organism" and (also is None or getattr(c, also))):

@@ -5,7 +5,10 @@ with AdamW, linear warm-up and cosine decay to ``--lr-floor`` (default 10%) of t
 rate; ``--short-first`` steps at the start train on short rows only (a length curriculum),
 ``--fixed-point-rows long`` draws the fixed-point batches from the long rows only, and
 ``--close-pairs`` batches of the pairs the organism holds closest replace a step's batch
-or, with ``--close-pairs-batch added``, train beside it.
+or, with ``--close-pairs-batch added``, train beside it; ``--ema`` saves and validates an
+exponential moving average of the weights (:func:`update_average`) instead of the last
+ones, a variance reduction that leaves the training itself as it was (Polyak and Juditsky
+1992; the averaged weights of Izmailov et al. 2018, "Averaging Weights Leads to Wider Optima").
 Modes:
 
 - ``gate``: only the gate trains; the pretrained model is frozen. Pass 1 then does not
@@ -23,13 +26,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from probekit.mechanisms.latent_feedback import FeedbackGate
-from probekit.training.checkpoint import restore_training, save_checkpoint
+from probekit.training.checkpoint import restore_average, restore_training, save_checkpoint
 from probekit.training.config import TrainConfig
 from probekit.training.data import TrainData
 from probekit.training.objective import answer_weights, evaluate, fixed_point_loss, multipass_loss
@@ -93,6 +97,42 @@ def make_optimizer(params: list[tuple[str, torch.nn.Parameter]],
     )
 
 
+Trainable = list[tuple[str, torch.nn.Parameter]]
+
+
+def update_average(average: list[torch.Tensor] | None, trainable: Trainable,
+                   decay: float) -> list[torch.Tensor]:
+    """``average <- decay * average + (1 - decay) * weights``; the first call (``average``
+    None) starts the average at the weights."""
+    weights = [p.detach() for _, p in trainable]
+    if average is None:
+        return [w.clone() for w in weights]
+    for a, w in zip(average, weights, strict=True):
+        a.lerp_(w, 1 - decay)
+    return average
+
+
+@contextmanager
+def holding_average(trainable: Trainable,
+                    average: list[torch.Tensor] | None) -> Iterator[dict | None]:
+    """Inside the block the modules hold ``average`` (so that validation and the
+    checkpoint see it), after it their own weights again; yields those by name. Without
+    an average, nothing changes and it yields None."""
+    if average is None:
+        yield None
+        return
+    own = {name: p.detach().clone() for name, p in trainable}
+    with torch.no_grad():
+        for (_, p), a in zip(trainable, average, strict=True):
+            p.copy_(a)
+    try:
+        yield own
+    finally:
+        with torch.no_grad():
+            for name, p in trainable:
+                p.copy_(own[name])
+
+
 def _validate(hf, gate: FeedbackGate, data: TrainData, config: TrainConfig) -> dict:
     """Validation metrics by pass, with the modules back in their training mode after."""
     hf.eval()
@@ -132,7 +172,8 @@ def train(
 ) -> list[dict]:
     """Train (or resume training) and checkpoint into ``checkpoint_dir``; returns history.
 
-    In organism mode every model parameter trains; in gate mode only the gate's. ``log``
+    In organism mode every model parameter trains; in gate mode only the gate's. With
+    ``--ema`` the modules end holding the average, as the checkpoint does. ``log``
     receives one line on resuming and one per validation."""
     from tqdm.auto import tqdm
 
@@ -161,10 +202,11 @@ def train(
                          f"tokens (the validation rows' length) and the training rows have "
                          f"none; train on 16-256 null updates too, or drop --fixed-point-rows")
     opt = make_optimizer(trainable, config)
-    start, history = 0, []
+    start, history, average = 0, [], None
     if (ckpt / "config.json").is_file():
         start, history = restore_training(ckpt, gate=gate, model=model, config=config,
                                           optimizer=opt, ahead=head)
+        average = restore_average(ckpt, trainable)
         log(f"resuming from {ckpt} at step {start}")
 
     if start == 0 and config.eval_every:  # where training starts from, for the curves
@@ -206,12 +248,15 @@ def train(
             if config.grad_clip:
                 torch.nn.utils.clip_grad_norm_([p for _, p in trainable], config.grad_clip)
             opt.step()
+        if config.ema and step >= config.feedback_start:
+            average = update_average(average, trainable, config.ema)
         entry = {"step": step + 1, "passes": K, "lr": lr, "loss": total.item(),
                  "pass_losses": [v.item() for v in losses], **extra,
                  "time": t_done + time.time() - t0}
         done = step + 1 == config.steps
         if (config.eval_every and (step + 1) % config.eval_every == 0) or done:
-            entry.update(_validate(hf, gate, data, config))
+            with holding_average(trainable, average):
+                entry.update(_validate(hf, gate, data, config))
             log(f"step {step + 1}: val loss by pass " + " ".join(
                 f"{v:.4f}" for v in entry["val_pass_losses"]) + "; last-token accuracy by pass "
                 + " ".join(f"{v:.3f}" for v in entry["val_last_token_accuracy"])
@@ -220,10 +265,16 @@ def train(
         history.append(entry)
         bar.set_postfix(loss=f"{total.item():.3f}", K=K)
         if (step + 1) % config.save_every == 0 or done:
-            save_checkpoint(ckpt, gate=gate, model=model, config=config, step=step + 1,
-                            optimizer=opt, history=history, organism_config=organism_config,
-                            ahead=head)
+            with holding_average(trainable, average) as last:
+                save_checkpoint(ckpt, gate=gate, model=model, config=config, step=step + 1,
+                                optimizer=opt, history=history,
+                                organism_config=organism_config, ahead=head,
+                                training_weights=last)
     bar.close()
+    if average is not None:  # the trained model is the average, as the checkpoint says
+        with torch.no_grad():
+            for (_, p), a in zip(trainable, average, strict=True):
+                p.copy_(a)
     hf.eval()
     gate.eval()
     hf.requires_grad_(False)
