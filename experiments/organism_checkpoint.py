@@ -20,6 +20,7 @@ organism trained with a non-default schedule, fed-back state or task mix.
         --close-pairs-rows short --close-pairs-batch added
     python experiments/organism_checkpoint.py --seed 0 --feed residual
     python experiments/organism_checkpoint.py --seed 0 --copy-rows 0.25 --ema 0.999
+    python experiments/organism_checkpoint.py --seed 0 --copy-rows 0.25 --lam 2
     python experiments/organism_checkpoint.py --seed 0 --tasks registers
     python experiments/organism_checkpoint.py --seed 0 --tasks registers --d-model 256 \
         --n-heads 8
@@ -54,6 +55,8 @@ class Args:
     """AdamW weight decay on matrices (default: the recipe's 0.01)"""
     feedback_start: int | None = None
     """first step with feedback passes (default: the recipe's 600)"""
+    lam: float | None = None
+    """weight of the fused passes' losses, lambda of Eq. 12 (default: the recipe's 1)"""
     fixed_point: float | None = None
     """share of feedback batches fed the exact full-recurrence state (default: the recipe's 0)"""
     ahead_loss: float | None = None
@@ -94,7 +97,7 @@ class Args:
 
 
 #: Training flags that override the default recipe only when given.
-OVERRIDES = ("schedule", "steps", "lr", "lr_floor", "weight_decay", "feedback_start",
+OVERRIDES = ("schedule", "lam", "steps", "lr", "lr_floor", "weight_decay", "feedback_start",
              "fixed_point", "ahead_loss", "short_first", "fixed_point_rows", "close_pairs",
              "close_pairs_rows", "close_pairs_batch", "ema")
 

@@ -270,6 +270,13 @@ def test_the_recipe_flags_are_organism_checkpoints():
     assert (recipe.train.close_pairs_rows, recipe.train.close_pairs_batch) == ("short", "added")
     assert recipe_of(tyro.cli(Args, args=["--seed", "0", *flags(recipe_changes(
         {"recipe": identity(recipe), "steps": 2000}, 0)).split()])) == recipe
+    for given in (["--ema", "0.999"], ["--lam", "2"]):  # every training flag reaches it
+        recipe = recipe_of(tyro.cli(Args, args=["--seed", "0", *given]))
+        assert recipe != Recipe.default(0)
+        assert flags(recipe_changes({"recipe": identity(recipe), "steps": 2000}, 0)) == (
+            " ".join(given))
+        assert recipe_of(tyro.cli(Args, args=["--seed", "0", *flags(recipe_changes(
+            {"recipe": identity(recipe), "steps": 2000}, 0)).split()])) == recipe
     assert flags({}) == "the default recipe" and flags(None) == "not recorded"
 
 
