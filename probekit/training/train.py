@@ -85,8 +85,10 @@ def ahead_head(hf_model, seed: int) -> torch.nn.Linear:
     return head
 
 
-def make_optimizer(params: list[tuple[str, torch.nn.Parameter]],
-                   config: TrainConfig) -> torch.optim.AdamW:
+Trainable = list[tuple[str, torch.nn.Parameter]]  # (name, parameter): what trains
+
+
+def make_optimizer(params: Trainable, config: TrainConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only."""
     decay = [p for n, p in params if p.ndim >= 2]
     rest = [p for n, p in params if p.ndim < 2]
@@ -95,9 +97,6 @@ def make_optimizer(params: list[tuple[str, torch.nn.Parameter]],
          {"params": rest, "weight_decay": 0.0}],
         lr=config.lr, betas=(0.9, 0.95),
     )
-
-
-Trainable = list[tuple[str, torch.nn.Parameter]]
 
 
 def update_average(average: list[torch.Tensor] | None, trainable: Trainable,
@@ -112,6 +111,12 @@ def update_average(average: list[torch.Tensor] | None, trainable: Trainable,
     return average
 
 
+def _load(trainable: Trainable, weights: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for (_, p), w in zip(trainable, weights, strict=True):
+            p.copy_(w)
+
+
 @contextmanager
 def holding_average(trainable: Trainable,
                     average: list[torch.Tensor] | None) -> Iterator[dict | None]:
@@ -122,15 +127,11 @@ def holding_average(trainable: Trainable,
         yield None
         return
     own = {name: p.detach().clone() for name, p in trainable}
-    with torch.no_grad():
-        for (_, p), a in zip(trainable, average, strict=True):
-            p.copy_(a)
+    _load(trainable, average)
     try:
         yield own
     finally:
-        with torch.no_grad():
-            for name, p in trainable:
-                p.copy_(own[name])
+        _load(trainable, list(own.values()))
 
 
 def _validate(hf, gate: FeedbackGate, data: TrainData, config: TrainConfig) -> dict:
@@ -272,9 +273,7 @@ def train(
                                 training_weights=last)
     bar.close()
     if average is not None:  # the trained model is the average, as the checkpoint says
-        with torch.no_grad():
-            for (_, p), a in zip(trainable, average, strict=True):
-                p.copy_(a)
+        _load(trainable, average)
     hf.eval()
     gate.eval()
     hf.requires_grad_(False)
