@@ -6,7 +6,8 @@
 # completion pairs, 128 memory contexts), on the long-range recipe's organisms of five
 # training seeds (probekit.training.organism_cache.LONG_RANGE: the headline recipe made to
 # hold its state over the longest rows). They come from probekit's cache, trained there
-# on first use (49-57 min each at one thread, two trainings at a time on 2 cores). Writes
+# on first use (56-69 min each at one thread, two or three trainings at a time on 2
+# cores). Writes
 #   figures/latent-feedback-fig7a.png    depth-0 probe vs length; every depth at 256
 #   figures/latent-feedback-fig7a.json   every number, per seed, with the patching statistics
 # See docs/latent-feedback.md for what was measured.
@@ -28,7 +29,7 @@ cd "$(dirname "$0")/.."
 PROBEKIT=${PROBEKIT:-probekit}  # run inside the venv (or set PROBEKIT)
 PYTHON=${PYTHON:-python}
 # tests/test_fig7a.py checks that these flags make Recipe.long_range and Recipe.headline
-LONG_RANGE="--copy-rows 0.25 --fixed-point 0.25 --steps 4500 --lr-floor 0 --ahead-loss 4 --long-rows 4"
+LONG_RANGE="--copy-rows 0.25 --fixed-point 0.25 --steps 4500 --lr-floor 0 --ahead-loss 4 --long-rows 4 --lam 2"
 HEADLINE="--copy-rows 0.25 --fixed-point 0.1 --steps 3000 --lr-floor 0 --ahead-loss 4"
 RECIPE=${RECIPE-$LONG_RANGE}  # unset: Fig. 7a's; empty: the default recipe
 # the recipe's flags as a name: "--copy-rows 0.25 --steps 3000" -> "copy-rows-0.25-steps-3000"
