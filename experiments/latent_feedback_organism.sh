@@ -6,8 +6,7 @@
 # completion pairs, 128 memory contexts), on the long-range recipe's organisms of five
 # training seeds (probekit.training.organism_cache.LONG_RANGE: the headline recipe made to
 # hold its state over the longest rows). They come from probekit's cache, trained there
-# on first use (56-69 min each at one thread, two or three trainings at a time on 2
-# cores). Writes
+# on first use (56-69 min each at one thread, two or three at a time on 2 cores). Writes
 #   figures/latent-feedback-fig7a.png    depth-0 probe vs length; every depth at 256
 #   figures/latent-feedback-fig7a.json   every number, per seed, with the patching statistics
 # See docs/latent-feedback.md for what was measured.
