@@ -18,8 +18,11 @@ SIGTERM), ``--init`` starts from one (staged training: two registers first, then
 ``--evaluate`` only scores one (also per queried register), ``--until`` stops once every
 register count reaches an accuracy, ``--d-model`` / ``--n-heads`` / ``--n-blocks`` change
 the shape, ``--lr-schedule cosine`` decays the learning rate as probekit's trainer does,
-and ``--names random`` trains on rows whose register names are drawn per row (from the
-first ``--name-pool`` names).
+``--names random`` trains on rows whose register names are drawn per row (from the
+first ``--name-pool`` names), ``--values 10`` draws the assigned values from the digits
+0-9 instead of bits (training and held-out rows; the answer is then the digit), and
+``--queries every`` makes each training row ask for every register its history was asked
+for, one answer after another (the held-out rows keep one question).
 
     python experiments/register_plateau.py --registers 2 --writes 1 2 --loss last
     python experiments/register_plateau.py --registers 2 --writes 1 2 --loss all
@@ -82,6 +85,14 @@ class Args:
     name_pool: int | None = None
     """--names random draws from r0..r(N-1) (default all 16; a curriculum of names: a
     two-register organism that binds r0 and r1 meets r2, r3 with --name-pool 4)"""
+    values: int = 2
+    """values a register can hold: 2 is the paper's bits (answer zero / one); more draws
+    every assignment from the digits 0..N-1 and answers the digit (a diagnostic: with two
+    values half the other assignments carry the answer too)"""
+    queries: Literal["one", "every"] = "one"
+    """training rows ask for one register (the paper's rows), or for every register their
+    history was queried for, one "query = r2 / Value: one" after another in random order
+    (the dense supervision of multi-query associative recall; held-out rows ask for one)"""
     pad_rows: float = 0.0
     """share of the rows with the "# pad" line before the query"""
     seed: int = 0
@@ -100,6 +111,36 @@ class Args:
     """organism attention heads (ignored with --init)"""
     n_blocks: int = 4
     """organism transformer blocks (ignored with --init)"""
+
+
+def widen_values(text: str, values: int, rng: random.Random) -> str:
+    """``text`` (a row with its answer) with every assignment's value redrawn from the digits
+    0..values-1 and the answer the queried register's latest digit."""
+    latest: dict[str, int] = {}
+
+    def redraw(assignment: re.Match) -> str:
+        latest[assignment.group(1)] = value = rng.randrange(values)
+        return f"{assignment.group(1)} = {value}"
+
+    body = re.sub(r"^(r\d+) = [01]$", redraw, text.rpartition(" ")[0], flags=re.M)
+    query = re.search(r"query = (r\d+)", body).group(1)
+    return f"{body} {latest[query]}"
+
+
+def ask_every_register(rows: list[str], rng: random.Random) -> list[str]:
+    """``rows`` (inputs with their answers) merged by update history: one row per history
+    that asks, in random order, every question its rows asked (``query = r2\nValue: one``
+    each) -- the dense supervision of multi-query associative recall (Arora et al. 2023,
+    "Zoology")."""
+    histories: dict[str, list[str]] = {}
+    for row in rows:
+        history, _, question = row.rpartition("query = ")
+        histories.setdefault(history, []).append("query = " + question)
+    merged = []
+    for history, questions in histories.items():
+        rng.shuffle(questions)
+        merged.append(history + "\n".join(questions))
+    return merged
 
 
 def rename_registers(text: str, names: list[int]) -> str:
@@ -134,6 +175,12 @@ def main() -> int:
     if args.names == "random" and max(args.registers) > pool:
         return usage_error(f"--names random draws from {pool} register names; "
                            f"--registers {max(args.registers)} needs more")
+    if not 2 <= args.values <= 10:
+        return usage_error(f"--values must lie in [2, 10] (the digits the tokenizer knows); "
+                           f"got {args.values}")
+    if args.queries == "every" and args.values > 2:
+        return usage_error("--queries every asks for registers whose answers are bits; "
+                           "drop --values")
     if not 0 <= args.pad_rows <= 1:
         return usage_error(f"--pad-rows must lie in [0, 1]; got {args.pad_rows}")
     if args.until is not None and not 0 < args.until <= 1:
@@ -153,17 +200,18 @@ def main() -> int:
     from probekit.training.organism import build_organism, fit_tokenizer, save_organism
     from probekit.training.train import warmup_cosine
     from synthetic.dataset import filler_line
-    from synthetic.registers import registers_dataset
+    from synthetic.registers import LABEL_WORDS, registers_dataset
 
     torch.set_num_threads(1)
     tok = fit_tokenizer()
 
-    def rows(n_groups: int, stream: int, rename: bool = False
+    def rows(n_groups: int, stream: int, training: bool = False
              ) -> tuple[list[list[int]], list[int], list[int], list[bool], list[int],
                         list[int]]:
         """Token ids of every row, each row's register count and writes per register,
-        whether it has the pad line, its null updates and its queried register;
-        ``rename``: --names random."""
+        whether it has the pad line, its null updates and its queried register (-1 when it
+        asks for several); ``training`` rows follow --names and --queries."""
+        rename = training and args.names == "random"
         texts, ms, ws, padded, nulls, queries = [], [], [], [], [], []
         rng = random.Random(stream)
         for m in args.registers:
@@ -174,26 +222,33 @@ def main() -> int:
                     data = registers_dataset(tok, m=m, writes_per_register=w, distractors=n,
                                              n_groups=n_groups, task="plateau",
                                              seed=(stream, m, w) + ((n,) if n else ()))
-                    for ex in data.examples:
+                    answered = [ex.text + " " + ex.label for ex in data.examples]
+                    asked = [ex.condition["query"] for ex in data.examples]
+                    if training and args.queries == "every":
+                        answered = ask_every_register(answered, rng)
+                        asked = [-1] * len(answered)
+                    for text, query in zip(answered, asked):
                         pad = rng.random() < args.pad_rows
                         line = filler_line(rng.randrange(6)) if pad else ""
-                        text = ex.text.replace("query = ", line + "query = ") + " " + ex.label
+                        text = text.replace("query = ", line + "query = ", 1)
+                        if args.values > 2:
+                            text = widen_values(text, args.values, rng)
                         if rename:
                             text = rename_registers(text, rng.sample(range(pool), m))
                         texts.append(text)
-                        queries.append(ex.condition["query"])
+                        queries.append(query)
                         padded.append(pad)
-                    ms += [m] * len(data.examples)
-                    ws += [w] * len(data.examples)
-                    nulls += [n] * len(data.examples)
+                    ms += [m] * len(answered)
+                    ws += [w] * len(answered)
+                    nulls += [n] * len(answered)
         return (tok(texts, add_special_tokens=False)["input_ids"], ms, ws, padded, nulls,
                 queries)
 
-    train = rows(args.groups, 7, args.names == "random")[0] if not args.evaluate else []
+    train = rows(args.groups, 7, training=True)[0] if not args.evaluate else []
     val, val_m, val_w, val_padded, val_nulls, val_q = rows(max(1, 128 // (
         max(args.registers) * len(args.writes) * len(args.null_updates))), 99)
     # the shortcut's expected accuracy on the held-out rows
-    shortcut = sum(1 / m + (1 - 1 / m) / 2 for m in val_m) / len(val_m)
+    shortcut = sum(1 / m + (1 - 1 / m) / args.values for m in val_m) / len(val_m)
     val_padded, val_m, val_w, val_nulls, val_q = map(
         torch.tensor, (val_padded, val_m, val_w, val_nulls, val_q))
     if args.init is None:
@@ -208,6 +263,7 @@ def main() -> int:
                              {"params": rest, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
     pad = tok.pad_token_id
+    answer_ids = torch.tensor(tok.convert_tokens_to_ids(list(LABEL_WORDS)))
     val_ids, val_valid = pad_batch(val, pad)
     val_last = val_valid.sum(1) - 1  # the answer's target index
     g = torch.Generator().manual_seed(args.seed)
@@ -258,7 +314,11 @@ def main() -> int:
         idx = torch.randint(0, len(train), (args.batch_size,), generator=g).tolist()
         ids, valid = pad_batch([train[i] for i in idx], pad)
         logits = model(ids).logits
-        if args.loss == "last":
+        if args.queries == "every":  # every answer, not just the row's last token
+            answers = valid & torch.isin(ids[:, 1:], answer_ids)
+            weights = answers.float() if args.loss == "last" else torch.where(
+                answers, ANSWER_WEIGHT, valid.float())
+        elif args.loss == "last":
             weights = torch.zeros(valid.shape)
             weights[torch.arange(len(ids)), valid.sum(1) - 1] = 1.0
         else:

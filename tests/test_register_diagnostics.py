@@ -330,6 +330,58 @@ def test_rename_registers_renames_every_register_and_the_query_alike():
         "r7 = 1\nr11 = 0\nr3 = 1\nr1 = 0\nscratch = 0\nquery = r7\nValue: one")
 
 
+def test_widen_values_redraws_every_assignment_and_answers_the_queried_registers_latest():
+    import random
+
+    widen_values = experiment("register_plateau").widen_values
+    text = "r2 = 0\nr4 = 1\nr2 = 1\nr4 = 0\nscratch = 6\nscratch += 0\nquery = r2\nValue: one"
+    for seed in range(20):
+        out = widen_values(text, 10, random.Random(seed))
+        lines = out.splitlines()
+        r2 = [line.split(" = ")[1] for line in lines if line.startswith("r2 = ")]
+        # the scratch lines and the query are kept; the answer is r2's latest digit
+        assert lines[4:7] == ["scratch = 6", "scratch += 0", "query = r2"]
+        assert lines[7] == f"Value: {r2[-1]}"
+    drawn = {widen_values(text, 10, random.Random(seed)).splitlines()[0] for seed in range(50)}
+    assert drawn == {f"r2 = {v}" for v in range(10)}
+
+
+def test_ask_every_register_merges_the_rows_of_one_history_and_keeps_every_answer():
+    import random
+
+    ask_every_register = experiment("register_plateau").ask_every_register
+    history, other = "r1 = 0\nr0 = 1\nscratch = 6\n", "r1 = 1\nr0 = 0\nscratch = 6\n"
+    rows = [history + "query = r0\nValue: one", history + "query = r1\nValue: zero",
+            other + "query = r0\nValue: zero"]
+    merged = ask_every_register(rows, random.Random(0))
+    assert len(merged) == 2 and merged[1] == rows[2]
+    assert merged[0].startswith(history)
+    questions = merged[0][len(history):].split("\nquery = ")
+    assert sorted(q.removeprefix("query = ") for q in questions) == [
+        "r0\nValue: one", "r1\nValue: zero"]
+
+
+def test_register_plateau_asks_every_register_in_training_rows_only():
+    """--queries every: one training row per history (groups x schedule and complement),
+    the held-out rows as before."""
+    flags = ("--registers", "4", "--writes", "1", "--groups", "2", "--steps", "100",
+             "--batch-size", "8")
+    one, every = (run("register_plateau.py", *flags, *queries)
+                  for queries in ((), ("--queries", "every")))
+    for out in (one, every):
+        assert out.returncode == 0, out.stderr
+    assert one.stdout.splitlines()[0].startswith("16 training rows, 256 held-out rows")
+    assert every.stdout.splitlines()[0].startswith("4 training rows, 256 held-out rows")
+
+
+def test_register_plateau_with_more_values_scores_against_their_shortcut():
+    """--values 10: the shortcut is right with probability 1/m + (1 - 1/m)/10."""
+    out = run("register_plateau.py", "--groups", "2", "--steps", "100", "--batch-size", "8",
+              "--values", "10")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].endswith(f"shortcut {1 / 2 + 1 / 2 / 10:.3f}")
+
+
 def test_register_plateau_trains_on_renamed_registers_and_scores_the_papers_names():
     """--names random changes the training rows only: the held-out rows (and their count
     and shortcut) are those of the paper's names."""
@@ -432,6 +484,12 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
      "--null-updates >= 0"),
     ("register_plateau.py", ("--pad-rows", "1.5"),
      "register_plateau: error: --pad-rows must lie in [0, 1]; got 1.5"),
+    ("register_plateau.py", ("--values", "11"),
+     "register_plateau: error: --values must lie in [2, 10] (the digits the tokenizer "
+     "knows); got 11"),
+    ("register_plateau.py", ("--queries", "every", "--values", "4"),
+     "register_plateau: error: --queries every asks for registers whose answers are bits; "
+     "drop --values"),
     ("register_plateau.py", ("--until", "1.5"),
      "register_plateau: error: --until must lie in (0, 1]; got 1.5"),
     ("register_plateau.py", ("--evaluate",),
