@@ -143,6 +143,16 @@ def ask_every_register(rows: list[str], rng: random.Random) -> list[str]:
     return merged
 
 
+def every_answer_weights(ids: torch.Tensor, valid: torch.Tensor, answer_ids: torch.Tensor,
+                         loss: str) -> torch.Tensor:
+    """Target weights (``[B, T-1]``, as ``pad_batch``'s ``valid``) of rows that ask several
+    questions: every target that is an answer word weighs ``ANSWER_WEIGHT`` beside the
+    other valid targets' 1 (``loss`` "all"), or 1 alone (``loss`` "last")."""
+    answers = valid & torch.isin(ids[:, 1:], answer_ids)
+    return answers.float() if loss == "last" else torch.where(answers, ANSWER_WEIGHT,
+                                                              valid.float())
+
+
 def rename_registers(text: str, names: list[int]) -> str:
     """``text`` with every register ``r<i>`` renamed ``r<names[i]>`` (the query too)."""
     return re.sub(r"\br(\d+)\b", lambda r: f"r{names[int(r.group(1))]}", text)
@@ -315,9 +325,7 @@ def main() -> int:
         ids, valid = pad_batch([train[i] for i in idx], pad)
         logits = model(ids).logits
         if args.queries == "every":  # every answer, not just the row's last token
-            answers = valid & torch.isin(ids[:, 1:], answer_ids)
-            weights = answers.float() if args.loss == "last" else torch.where(
-                answers, ANSWER_WEIGHT, valid.float())
+            weights = every_answer_weights(ids, valid, answer_ids, args.loss)
         elif args.loss == "last":
             weights = torch.zeros(valid.shape)
             weights[torch.arange(len(ids)), valid.sum(1) - 1] = 1.0

@@ -361,6 +361,22 @@ def test_ask_every_register_merges_the_rows_of_one_history_and_keeps_every_answe
         "r0\nValue: one", "r1\nValue: zero"]
 
 
+def test_every_answer_weights_weigh_each_answer_of_a_row_and_no_padding():
+    import torch
+
+    from probekit.training.data import pad_batch
+
+    plateau = experiment("register_plateau")
+    zero, one, other, pad = 5, 6, 7, 0
+    ids, valid = pad_batch([[other, other, one, other, zero], [other, zero, other]], pad)
+    answer_ids = torch.tensor([zero, one])
+    w = plateau.ANSWER_WEIGHT
+    assert plateau.every_answer_weights(ids, valid, answer_ids, "all").tolist() == [
+        [1.0, w, 1.0, w], [w, 1.0, 0.0, 0.0]]
+    assert plateau.every_answer_weights(ids, valid, answer_ids, "last").tolist() == [
+        [0.0, 1.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]]
+
+
 def test_register_plateau_asks_every_register_in_training_rows_only():
     """--queries every: one training row per history (groups x schedule and complement),
     the held-out rows as before."""
