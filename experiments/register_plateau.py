@@ -17,7 +17,8 @@ too). ``--save`` keeps the trained organism (also when the run is stopped with C
 SIGTERM), ``--init`` starts from one (staged training: two registers first, then more),
 ``--evaluate`` only scores one (also per queried register), ``--until`` stops once every
 register count reaches an accuracy, ``--d-model`` / ``--n-heads`` / ``--n-blocks`` change
-the shape, ``--lr-schedule cosine`` decays the learning rate as probekit's trainer does,
+the shape and ``--init-std`` the scale of the fresh weights, ``--lr-schedule cosine``
+decays the learning rate as probekit's trainer does,
 ``--names random`` trains on rows whose register names are drawn per row (from the
 first ``--name-pool`` names), ``--values 10`` draws the assigned values from the digits
 0-9 instead of bits (training and held-out rows; the answer is then the digit), and
@@ -111,6 +112,9 @@ class Args:
     """organism attention heads (ignored with --init)"""
     n_blocks: int = 4
     """organism transformer blocks (ignored with --init)"""
+    init_std: float = 0.02
+    """standard deviation of the fresh organism's weights (HF's Llama default; larger
+    starts attention further from uniform; ignored with --init)"""
 
 
 def widen_values(text: str, values: int, rng: random.Random) -> str:
@@ -193,6 +197,8 @@ def main() -> int:
                            "drop --values")
     if not 0 <= args.pad_rows <= 1:
         return usage_error(f"--pad-rows must lie in [0, 1]; got {args.pad_rows}")
+    if not 0 < args.init_std <= 1:
+        return usage_error(f"--init-std must lie in (0, 1]; got {args.init_std}")
     if args.until is not None and not 0 < args.until <= 1:
         return usage_error(f"--until must lie in (0, 1]; got {args.until}")
     if args.evaluate and args.init is None:
@@ -262,7 +268,7 @@ def main() -> int:
     val_padded, val_m, val_w, val_nulls, val_q = map(
         torch.tensor, (val_padded, val_m, val_w, val_nulls, val_q))
     if args.init is None:
-        model = build_organism(tok, shape, seed=args.seed)
+        model = build_organism(tok, shape, seed=args.seed, init_std=args.init_std)
     else:
         model = transformers.LlamaForCausalLM.from_pretrained(args.init)
         model.set_attn_implementation("sdpa")

@@ -454,6 +454,28 @@ def test_register_plateau_saves_an_organism_that_init_reads_back(tmp_path):
     assert float(trained[:5]) == pytest.approx((r0 + r1) / 2, abs=1e-3)
 
 
+def test_init_std_scales_every_weight_of_a_fresh_organism_and_defaults_to_hfs():
+    """--init-std reaches the organism's config: every weight matrix and the (tied)
+    embedding drawn with that standard deviation, the norms at one; the default is
+    HF's Llama initialisation, weight for weight."""
+    import torch
+
+    from probekit.training.config import OrganismConfig
+    from probekit.training.organism import build_organism, fit_tokenizer
+
+    tok, shape = fit_tokenizer(), OrganismConfig(n_blocks=2, d_model=64, n_heads=2)
+    plain = build_organism(tok, shape).state_dict()
+    assert all(torch.equal(plain[k], v) for k, v in
+               build_organism(tok, shape, init_std=0.02).state_dict().items())
+    wide = build_organism(tok, shape, init_std=0.1)
+    for name, weight in wide.named_parameters():
+        if weight.ndim == 2:
+            assert weight.std().item() == pytest.approx(0.1, rel=0.1), name
+            assert plain[name].std().item() == pytest.approx(0.02, rel=0.1), name
+        else:
+            assert torch.equal(weight, torch.ones_like(weight)), name
+
+
 def test_register_plateau_saves_what_it_learned_when_stopped(tmp_path):
     """SIGTERM (as Ctrl-C) ends the step in flight, then --save writes the organism."""
     proc = subprocess.Popen(
@@ -506,6 +528,8 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
     ("register_plateau.py", ("--queries", "every", "--values", "4"),
      "register_plateau: error: --queries every asks for registers whose answers are bits; "
      "drop --values"),
+    ("register_plateau.py", ("--init-std", "0"),
+     "register_plateau: error: --init-std must lie in (0, 1]; got 0.0"),
     ("register_plateau.py", ("--until", "1.5"),
      "register_plateau: error: --until must lie in (0, 1]; got 1.5"),
     ("register_plateau.py", ("--evaluate",),
