@@ -23,7 +23,11 @@ decays the learning rate as probekit's trainer does,
 first ``--name-pool`` names), ``--values 10`` draws the assigned values from the digits
 0-9 instead of bits (training and held-out rows; the answer is then the digit), and
 ``--queries every`` makes each training row ask for every register its history was asked
-for, one answer after another (the held-out rows keep one question).
+for, one answer after another (the held-out rows keep one question). ``--echo-rows``
+turns that share of the training rows into rows that ask for the queried register's
+name instead of its value (``query = r5`` / ``state: r5``): the step of carrying the
+query to the final colon, trained on its own (the held-out rows are then scored on
+their echo too).
 
     python experiments/register_plateau.py --registers 2 --writes 1 2 --loss last
     python experiments/register_plateau.py --registers 2 --writes 1 2 --loss all
@@ -94,6 +98,9 @@ class Args:
     """training rows ask for one register (the paper's rows), or for every register their
     history was queried for, one "query = r2 / Value: one" after another in random order
     (the dense supervision of multi-query associative recall; held-out rows ask for one)"""
+    echo_rows: float = 0.0
+    """share of the training rows that end "state: r5" (the queried name) instead of
+    "Value: one": the query carried to the final colon, with its own loss"""
     pad_rows: float = 0.0
     """share of the rows with the "# pad" line before the query"""
     seed: int = 0
@@ -157,6 +164,12 @@ def every_answer_weights(ids: torch.Tensor, valid: torch.Tensor, answer_ids: tor
                                                               valid.float())
 
 
+def echo_query(ids: list[int], state: int, colon: int) -> list[int]:
+    """Token ids of a row that ends ``query = rX`` / ``Value: <answer>``, asking instead for
+    the queried register's name: ``query = rX`` / ``state: rX``."""
+    return ids[:-3] + [state, colon, ids[-5]]
+
+
 def rename_registers(text: str, names: list[int]) -> str:
     """``text`` with every register ``r<i>`` renamed ``r<names[i]>`` (the query too)."""
     return re.sub(r"\br(\d+)\b", lambda r: f"r{names[int(r.group(1))]}", text)
@@ -195,6 +208,11 @@ def main() -> int:
     if args.queries == "every" and args.values > 2:
         return usage_error("--queries every asks for registers whose answers are bits; "
                            "drop --values")
+    if not 0 <= args.echo_rows <= 1:
+        return usage_error(f"--echo-rows must lie in [0, 1]; got {args.echo_rows}")
+    if args.echo_rows and args.queries == "every":
+        return usage_error("--echo-rows turns a row's one question into an echo; drop "
+                           "--queries every")
     if not 0 <= args.pad_rows <= 1:
         return usage_error(f"--pad-rows must lie in [0, 1]; got {args.pad_rows}")
     if not 0 < args.init_std <= 1:
@@ -261,6 +279,11 @@ def main() -> int:
                 queries)
 
     train = rows(args.groups, 7, training=True)[0] if not args.evaluate else []
+    state, colon = tok.convert_tokens_to_ids(["state", ":"])
+    if args.echo_rows:  # its own stream: the rows above stay those of runs without echoes
+        echo_rng = random.Random(11)
+        echoes = [echo_rng.random() < args.echo_rows for _ in train]
+        train = [echo_query(row, state, colon) if e else row for row, e in zip(train, echoes)]
     val, val_m, val_w, val_padded, val_nulls, val_q = rows(max(1, 128 // (
         max(args.registers) * len(args.writes) * len(args.null_updates))), 99)
     # the shortcut's expected accuracy on the held-out rows
@@ -282,14 +305,19 @@ def main() -> int:
     answer_ids = torch.tensor(tok.convert_tokens_to_ids(list(LABEL_WORDS)))
     val_ids, val_valid = pad_batch(val, pad)
     val_last = val_valid.sum(1) - 1  # the answer's target index
+    val_echo = pad_batch([echo_query(row, state, colon) for row in val], pad)[0]
     g = torch.Generator().manual_seed(args.seed)
-    print(f"{len(train)} training rows, {len(val)} held-out rows; shortcut {shortcut:.3f}")
+    echoed = f" ({sum(echoes)} of them echoes)" if args.echo_rows else ""
+    print(f"{len(train)} training rows{echoed}, {len(val)} held-out rows; shortcut "
+          f"{shortcut:.3f}")
 
     def held_out() -> tuple[torch.Tensor, str]:
         """Accuracy of each held-out row, and the split the log line shows."""
         model.eval()
         with torch.no_grad():
             out = model(val_ids).logits[torch.arange(len(val)), val_last]
+            echo = model(val_echo).logits[torch.arange(len(val)), val_last] \
+                if args.echo_rows else None
         model.train()
         acc = (out.argmax(-1) == val_ids[torch.arange(len(val)), val_last + 1]).float()
         parts = [f"m={m} {acc[val_m == m].mean().item():.3f}"
@@ -302,6 +330,9 @@ def main() -> int:
         if args.evaluate:  # which registers the organism binds (the names the rows use)
             parts += [f"r{q} {acc[val_q == q].mean().item():.3f}"
                       for q in range(max(args.registers))]
+        if echo is not None:  # the queried name carried to the colon
+            named = echo.argmax(-1) == val_echo[torch.arange(len(val)), val_last + 1]
+            parts.append(f"echo {named.float().mean().item():.3f}")
         if val_padded.any() and not val_padded.all():
             parts += [f"pad line {acc[val_padded].mean().item():.3f}",
                       f"none {acc[~val_padded].mean().item():.3f}"]

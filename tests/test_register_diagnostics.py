@@ -377,6 +377,34 @@ def test_every_answer_weights_weigh_each_answer_of_a_row_and_no_padding():
         [0.0, 1.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]]
 
 
+def test_echo_query_asks_for_the_queried_registers_name_at_the_final_colon():
+    from probekit.training.organism import fit_tokenizer
+
+    echo_query = experiment("register_plateau").echo_query
+    tok = fit_tokenizer()
+    row = "r1 = 1\nr0 = 0\n# pad pad\nquery = r0\nValue: zero"
+    ids = tok(row, add_special_tokens=False)["input_ids"]
+    echoed = echo_query(ids, *tok.convert_tokens_to_ids(["state", ":"]))
+    assert echoed == tok("r1 = 1\nr0 = 0\n# pad pad\nquery = r0\nstate: r0",
+                         add_special_tokens=False)["input_ids"]
+
+
+def test_register_plateau_scores_the_echo_of_the_held_out_rows():
+    """--echo-rows: the log line adds the held-out rows' echo accuracy (the queried name
+    at the final colon); without the flag it has none."""
+    small = ("--d-model", "32", "--n-heads", "2", "--n-blocks", "1", "--groups", "8",
+             "--batch-size", "8", "--steps", "100")
+    echoed = run("register_plateau.py", *small, "--echo-rows", "0.5")
+    assert echoed.returncode == 0, echoed.stderr
+    header = re.fullmatch(r"64 training rows \((\d+) of them echoes\), 256 held-out rows; "
+                          r"shortcut 0\.750", echoed.stdout.splitlines()[0])
+    assert header and 20 <= int(header.group(1)) <= 44, echoed.stdout  # about half of 64
+    assert re.search(r"held-out accuracy \d\.\d{3} \(writes 1 \d\.\d{3}, writes 2 "
+                     r"\d\.\d{3}, echo \d\.\d{3}\)$", echoed.stdout.splitlines()[1])
+    plain = run("register_plateau.py", *small)
+    assert "echo" not in plain.stdout
+
+
 def test_register_plateau_asks_every_register_in_training_rows_only():
     """--queries every: one training row per history (groups x schedule and complement),
     the held-out rows as before."""
@@ -530,6 +558,11 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
      "drop --values"),
     ("register_plateau.py", ("--init-std", "0"),
      "register_plateau: error: --init-std must lie in (0, 1]; got 0.0"),
+    ("register_plateau.py", ("--echo-rows", "1.5"),
+     "register_plateau: error: --echo-rows must lie in [0, 1]; got 1.5"),
+    ("register_plateau.py", ("--echo-rows", "0.5", "--queries", "every"),
+     "register_plateau: error: --echo-rows turns a row's one question into an echo; drop "
+     "--queries every"),
     ("register_plateau.py", ("--until", "1.5"),
      "register_plateau: error: --until must lie in (0, 1]; got 1.5"),
     ("register_plateau.py", ("--evaluate",),
