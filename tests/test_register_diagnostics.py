@@ -542,6 +542,41 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
     assert total == pytest.approx((zero + two) / 2, abs=1e-3)
 
 
+def test_value_positions_are_the_tokens_two_after_each_assigned_name():
+    from probekit.training.organism import fit_tokenizer
+
+    value_positions = experiment("register_parts").value_positions
+    tok = fit_tokenizer()
+    ids = tok("r1 = 1\nr0 = 0\nscratch = 3\nr1 = 0\nquery = r1\nValue:",
+              add_special_tokens=False)["input_ids"]
+    names = {tok.convert_tokens_to_ids(f"r{i}"): i for i in range(16)}
+    found = value_positions(ids, names, tok.convert_tokens_to_ids("="))
+    assert found == [(2, 1), (6, 0), (14, 1)]
+    assert [tok.convert_ids_to_tokens(ids[p]) for p, _ in found] == ["1", "0", "0"]
+
+
+def test_register_parts_probes_every_depth_for_each_part(tmp_path):
+    """One line per residual depth (blocks + 1), each with the three parts; depth 0 of the
+    colon is the same token in every row, so its probes sit at chance."""
+    made = run("register_plateau.py", "--d-model", "32", "--n-heads", "2", "--n-blocks", "2",
+               "--groups", "1", "--batch-size", "8", "--steps", "100",
+               "--save", str(tmp_path / "o"))
+    assert made.returncode == 0, made.stderr
+    out = run("register_parts.py", str(tmp_path / "o"), "--registers", "4", "--groups", "8",
+              "--null-updates", "0")
+    assert out.returncode == 0, out.stderr
+    header, *depths = out.stdout.splitlines()
+    assert header.startswith(f"{tmp_path / 'o'}: m=4, writes per register 1, 64 rows, "
+                             "64 value tokens; chance name at value token 0.")
+    assert len(depths) == 3
+    part = r"(\d\.\d{3})"
+    for depth, line in enumerate(depths):
+        assert re.fullmatch(rf"depth {depth}: name at value token {part}, queried name at "
+                            rf"colon {part}, answer at colon {part}", line), line
+    chance = [float(c) for c in re.findall(r"\d\.\d{3}", header.split("chance")[1])]
+    assert [float(a) for a in re.findall(r"\d\.\d{3}", depths[0])][1:] == chance[1:]
+
+
 @pytest.mark.parametrize("script, flags, message", [
     ("register_plateau.py", ("--steps", "0"),
      "register_plateau: error: --steps must be >= 1; got 0"),
@@ -563,6 +598,9 @@ def test_register_plateau_splits_the_accuracy_by_null_updates(tmp_path):
     ("register_plateau.py", ("--echo-rows", "0.5", "--queries", "every"),
      "register_plateau: error: --echo-rows turns a row's one question into an echo; drop "
      "--queries every"),
+    ("register_parts.py", ("nowhere",),
+     "register_parts: error: nowhere is not an organism folder (no config.json); give the "
+     "--save folder of register_plateau.py"),
     ("register_plateau.py", ("--until", "1.5"),
      "register_plateau: error: --until must lie in (0, 1]; got 1.5"),
     ("register_plateau.py", ("--evaluate",),
