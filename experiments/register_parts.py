@@ -11,8 +11,8 @@ schedule, as the sweeps' probes) measures at every depth how well a linear probe
 - the queried register's name at the final colon (chance 1/m);
 - the answer at the final colon (chance 0.50).
 
-It runs on an organism folder (a ``--save`` of ``register_plateau.py``, or any organism
-``probekit.load_model`` reads), plain pass, on fresh rows of ``registers_dataset``'s
+It runs on an organism folder (an HF Llama folder with the task tokenizer, as
+``register_plateau.py --save`` writes), plain pass, on fresh rows of ``registers_dataset``'s
 format (``--registers`` m, ``--writes`` per register, ``--null-updates`` counts, each with
 its own ``--groups``).
 
