@@ -58,6 +58,21 @@ def value_positions(ids: list[int], names: dict[int, int], equals: int) -> list[
             if ids[p] in names and ids[p + 1] == equals]
 
 
+def residuals(model: transformers.LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """``[batch, n_blocks + 1, tokens, d_model]``: the residual stream at every depth, as
+    SEMANTICS.md counts them (depth 0 the embedding, depth r the output of block r - 1;
+    HF's last ``hidden_states`` entry is after the final norm, so the top depth is read
+    from the norm's input instead)."""
+    top: list[torch.Tensor] = []
+    hook = model.model.norm.register_forward_pre_hook(lambda _, args: top.append(args[0]))
+    try:
+        with torch.no_grad():
+            states = model(ids, output_hidden_states=True).hidden_states
+    finally:
+        hook.remove()
+    return torch.stack([*states[:-1], top[0]], 1)
+
+
 usage_error = functools.partial(script_error, "register_parts")
 
 
@@ -97,8 +112,7 @@ def main() -> int:
     colon, value, value_name, value_group, seen = [], [], [], [], set()
     for start in range(0, len(ids), 64):
         batch, _ = pad_batch(ids[start:start + 64], tok.pad_token_id)
-        with torch.no_grad():  # right padding: no real token attends to a pad
-            states = torch.stack(model(batch, output_hidden_states=True).hidden_states, 1)
+        states = residuals(model, batch)  # right padding: no real token attends to a pad
         for row, seq in enumerate(ids[start:start + 64]):
             i = start + row
             colon.append(states[row, :, len(seq) - 1].numpy())

@@ -305,7 +305,8 @@ def main() -> int:
     answer_ids = torch.tensor(tok.convert_tokens_to_ids(list(LABEL_WORDS)))
     val_ids, val_valid = pad_batch(val, pad)
     val_last = val_valid.sum(1) - 1  # the answer's target index
-    val_echo = pad_batch([echo_query(row, state, colon) for row in val], pad)[0]
+    val_echo = pad_batch([echo_query(row, state, colon) for row in val], pad)[0] \
+        if args.echo_rows else None
     g = torch.Generator().manual_seed(args.seed)
     echoed = f" ({sum(echoes)} of them echoes)" if args.echo_rows else ""
     print(f"{len(train)} training rows{echoed}, {len(val)} held-out rows; shortcut "
@@ -316,8 +317,8 @@ def main() -> int:
         model.eval()
         with torch.no_grad():
             out = model(val_ids).logits[torch.arange(len(val)), val_last]
-            echo = model(val_echo).logits[torch.arange(len(val)), val_last] \
-                if args.echo_rows else None
+            echo = None if val_echo is None else \
+                model(val_echo).logits[torch.arange(len(val)), val_last]
         model.train()
         acc = (out.argmax(-1) == val_ids[torch.arange(len(val)), val_last + 1]).float()
         parts = [f"m={m} {acc[val_m == m].mean().item():.3f}"

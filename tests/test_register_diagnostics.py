@@ -555,6 +555,28 @@ def test_value_positions_are_the_tokens_two_after_each_assigned_name():
     assert [tok.convert_ids_to_tokens(ids[p]) for p, _ in found] == ["1", "0", "0"]
 
 
+def test_register_parts_reads_every_depth_before_the_final_norm():
+    """Depth r is the output of block r - 1 (SEMANTICS.md), the top one too: not HF's last
+    hidden state, which is after the final norm."""
+    import torch
+
+    from probekit.training.config import OrganismConfig
+    from probekit.training.organism import build_organism, fit_tokenizer
+
+    model = build_organism(fit_tokenizer(), OrganismConfig(n_blocks=2, d_model=32,
+                                                           n_heads=2)).eval()
+    outputs = {}
+    for b, block in enumerate(model.model.layers):
+        block.register_forward_hook(lambda _, __, out, b=b: outputs.__setitem__(b, out))
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    states = experiment("register_parts").residuals(model, ids)
+    assert states.shape == (1, 3, 5, 32)
+    assert torch.equal(states[:, 0], model.model.embed_tokens(ids))
+    for b in (0, 1):
+        assert torch.equal(states[:, b + 1], outputs[b])
+    assert not torch.allclose(states[:, 2], model.model.norm(outputs[1]))
+
+
 def test_register_parts_probes_every_depth_for_each_part(tmp_path):
     """One line per residual depth (blocks + 1), each with the three parts; depth 0 of the
     colon is the same token in every row, so its probes sit at chance."""
