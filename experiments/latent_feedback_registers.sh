@@ -7,7 +7,9 @@
 # pairs (same history, different queried register) for patching. The organisms are trained
 # on TASKS (default `--tasks registers`; probekit's cache) for STEPS steps (default 4,000),
 # at the organism shape SHAPE (default probekit's; e.g. SHAPE="--d-model 256 --n-heads 8",
-# the width that learned two registers in experiments/register_plateau.py).
+# the width that learned two registers in experiments/register_plateau.py), with any other
+# organism_checkpoint.py flags in RECIPE (e.g. the match hint: RECIPE="--init-std 0.06
+# --match-hint 5 --match-hint-parts circuit", the recipe that learns eight registers).
 # In our runs no such organism learned the task (seed 0: 2,000 to 8,000 steps, four kinds
 # of training rows; they learn the latest write but not which register was asked for:
 # docs/latent-feedback.md, experiments/register_shapes.py), so check the printed task
@@ -26,11 +28,12 @@ SEEDS=${SEEDS:-0 1 2}
 STEPS=${STEPS:-4000}
 TASKS=${TASKS:-registers}   # the organism's training tasks, e.g. "completion memory registers"
 SHAPE=${SHAPE:-}            # organism shape flags, e.g. "--d-model 256 --n-heads 8"
+RECIPE=${RECIPE:-}          # other organism flags, e.g. "--match-hint 5"
 
 for seed in $SEEDS; do
-    # shellcheck disable=SC2086  # TASKS and SHAPE are lists of words
+    # shellcheck disable=SC2086  # TASKS, SHAPE and RECIPE are lists of words
     ckpt=$("$PYTHON" experiments/organism_checkpoint.py --seed "$seed" --tasks $TASKS \
-        --steps "$STEPS" $SHAPE)
+        --steps "$STEPS" $SHAPE $RECIPE)
     for sweep_examples in register-sweep:3840 overwrite-sweep:6144; do
         sweep=${sweep_examples%%:*}
         "$PROBEKIT" run state-tracking --mechanism latent-feedback --checkpoint "$ckpt" \

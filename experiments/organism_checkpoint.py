@@ -24,6 +24,8 @@ organism trained with a non-default schedule, fed-back state or task mix.
     python experiments/organism_checkpoint.py --seed 0 --tasks registers
     python experiments/organism_checkpoint.py --seed 0 --tasks registers --d-model 256 \
         --n-heads 8
+    python experiments/organism_checkpoint.py --seed 0 --tasks registers --d-model 256 \
+        --n-heads 8 --match-hint 1 --match-hint-steps 500
 """
 
 from __future__ import annotations
@@ -78,6 +80,13 @@ class Args:
     fixed_point_rows: Literal["all", "long"] | None = None
     """rows of the fixed-point batches: all, or long (16-256 null updates) only (default:
     the recipe's all)"""
+    match_hint: float | None = None
+    """weight at step 0 of the match hint on register lookups (default: the recipe's 0)"""
+    match_hint_steps: int | None = None
+    """steps over which the match hint decays to zero (default: the recipe's 500)"""
+    match_hint_parts: Literal["match", "circuit"] | None = None
+    """the heads the match hint trains: the match alone, or the whole lookup circuit
+    (default: the recipe's match)"""
     feed: Literal["normed", "residual"] = "normed"
     """which top state is fed back"""
     tasks: tuple[Literal["completion", "memory", "registers"], ...] | None = None
@@ -99,7 +108,8 @@ class Args:
 #: Training flags that override the default recipe only when given.
 OVERRIDES = ("schedule", "lam", "steps", "lr", "lr_floor", "weight_decay", "feedback_start",
              "fixed_point", "ahead_loss", "short_first", "fixed_point_rows", "close_pairs",
-             "close_pairs_rows", "close_pairs_batch", "ema")
+             "close_pairs_rows", "close_pairs_batch", "ema", "match_hint", "match_hint_steps",
+             "match_hint_parts")
 
 
 def recipe_of(args: Args) -> Recipe:

@@ -27,7 +27,12 @@ for, one answer after another (the held-out rows keep one question). ``--echo-ro
 turns that share of the training rows into rows that ask for the queried register's
 name instead of its value (``query = r5`` / ``state: r5``): the step of carrying the
 query to the final colon, trained on its own (the held-out rows are then scored on
-their echo too).
+their echo too). ``--attention-hint WEIGHT`` adds probekit's match hint
+(``probekit.training.match_hint``, the trainer's ``--match-hint``): a loss that pulls the
+attention of head 0 of the last block, at the final colon, onto the digit the question
+asks for (with ``--hint-parts circuit`` also two heads of block 0 onto the lookup's
+inputs), its weight decayed linearly to zero over ``--hint-steps``; every log line then
+adds each hinted head's held-out attention on its target.
 
     python experiments/register_plateau.py --registers 2 --writes 1 2 --loss last
     python experiments/register_plateau.py --registers 2 --writes 1 2 --loss all
@@ -101,6 +106,15 @@ class Args:
     echo_rows: float = 0.0
     """share of the training rows that end "state: r5" (the queried name) instead of
     "Value: one": the query carried to the final colon, with its own loss"""
+    attention_hint: float = 0.0
+    """weight at step 0 of the match hint (probekit.training.match_hint): -log(attention
+    of head 0 of the last block, at the final colon, on the queried register's latest
+    digit) (0: no hint)"""
+    hint_steps: int = 500
+    """steps over which the --attention-hint weight decays linearly to zero"""
+    hint_parts: Literal["match", "circuit"] = "match"
+    """the match alone, or the whole lookup circuit (also: head 0 of block 0 from the
+    colon onto the queried name, head 1 of block 0 from each digit onto its name)"""
     pad_rows: float = 0.0
     """share of the rows with the "# pad" line before the query"""
     seed: int = 0
@@ -213,10 +227,15 @@ def main() -> int:
     if args.echo_rows and args.queries == "every":
         return usage_error("--echo-rows turns a row's one question into an echo; drop "
                            "--queries every")
+    if args.attention_hint < 0:
+        return usage_error(f"--attention-hint must be >= 0; got {args.attention_hint}")
+    if args.attention_hint and args.queries == "every":
+        return usage_error("--attention-hint supervises a row's one question; drop "
+                           "--queries every")
+    if args.hint_steps < 1:
+        return usage_error(f"--hint-steps must be >= 1; got {args.hint_steps}")
     if not 0 <= args.pad_rows <= 1:
         return usage_error(f"--pad-rows must lie in [0, 1]; got {args.pad_rows}")
-    if not 0 < args.init_std <= 1:
-        return usage_error(f"--init-std must lie in (0, 1]; got {args.init_std}")
     if args.until is not None and not 0 < args.until <= 1:
         return usage_error(f"--until must lie in (0, 1]; got {args.until}")
     if args.evaluate and args.init is None:
@@ -226,10 +245,18 @@ def main() -> int:
                            "give the --save folder of an earlier run")
     try:
         shape = OrganismConfig(n_blocks=args.n_blocks, d_model=args.d_model,
-                               n_heads=args.n_heads)
+                               n_heads=args.n_heads, init_std=args.init_std)
     except ValueError as err:
         return usage_error(str(err))
     from probekit.training.data import pad_batch
+    from probekit.training.match_hint import (
+        EDGES,
+        PARTS,
+        RegisterTokens,
+        attention_loss,
+        hint_weight,
+        match_targets,
+    )
     from probekit.training.objective import answer_weights, token_loss
     from probekit.training.organism import build_organism, fit_tokenizer, save_organism
     from probekit.training.train import warmup_cosine
@@ -278,6 +305,18 @@ def main() -> int:
         return (tok(texts, add_special_tokens=False)["input_ids"], ms, ws, padded, nulls,
                 queries)
 
+    if args.init is None:
+        model = build_organism(tok, shape, seed=args.seed)
+    else:
+        model = transformers.LlamaForCausalLM.from_pretrained(args.init)
+        model.set_attn_implementation("sdpa")
+    if args.attention_hint:  # sdpa returns no attention weights
+        model.set_attn_implementation("eager")
+        if args.hint_parts == "circuit" and min(model.config.num_hidden_layers,
+                                                model.config.num_attention_heads) < 2:
+            return usage_error("--hint-parts circuit hints heads 0 and 1 of block 0 and head 0 "
+                               "of the last block; it needs --n-blocks and --n-heads >= 2")
+    model.train()
     train = rows(args.groups, 7, training=True)[0] if not args.evaluate else []
     state, colon = tok.convert_tokens_to_ids(["state", ":"])
     if args.echo_rows:  # its own stream: the rows above stay those of runs without echoes
@@ -290,12 +329,6 @@ def main() -> int:
     shortcut = sum(1 / m + (1 - 1 / m) / args.values for m in val_m) / len(val_m)
     val_padded, val_m, val_w, val_nulls, val_q = map(
         torch.tensor, (val_padded, val_m, val_w, val_nulls, val_q))
-    if args.init is None:
-        model = build_organism(tok, shape, seed=args.seed, init_std=args.init_std)
-    else:
-        model = transformers.LlamaForCausalLM.from_pretrained(args.init)
-        model.set_attn_implementation("sdpa")
-    model.train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
@@ -305,6 +338,8 @@ def main() -> int:
     answer_ids = torch.tensor(tok.convert_tokens_to_ids(list(LABEL_WORDS)))
     val_ids, val_valid = pad_batch(val, pad)
     val_last = val_valid.sum(1) - 1  # the answer's target index
+    lookups = RegisterTokens.of(tok)
+    val_edges = match_targets(val_ids, lookups)
     val_echo = pad_batch([echo_query(row, state, colon) for row in val], pad)[0] \
         if args.echo_rows else None
     g = torch.Generator().manual_seed(args.seed)
@@ -315,12 +350,14 @@ def main() -> int:
     def held_out() -> tuple[torch.Tensor, str]:
         """Accuracy of each held-out row, and the split the log line shows."""
         model.eval()
+        each = torch.arange(len(val))
         with torch.no_grad():
-            out = model(val_ids).logits[torch.arange(len(val)), val_last]
+            full = model(val_ids, output_attentions=bool(args.attention_hint))
+            out = full.logits[each, val_last]
             echo = None if val_echo is None else \
-                model(val_echo).logits[torch.arange(len(val)), val_last]
+                model(val_echo).logits[each, val_last]
         model.train()
-        acc = (out.argmax(-1) == val_ids[torch.arange(len(val)), val_last + 1]).float()
+        acc = (out.argmax(-1) == val_ids[each, val_last + 1]).float()
         parts = [f"m={m} {acc[val_m == m].mean().item():.3f}"
                  for m in args.registers] if len(args.registers) > 1 else []
         if len(args.writes) > 1:
@@ -332,8 +369,12 @@ def main() -> int:
             parts += [f"r{q} {acc[val_q == q].mean().item():.3f}"
                       for q in range(max(args.registers))]
         if echo is not None:  # the queried name carried to the colon
-            named = echo.argmax(-1) == val_echo[torch.arange(len(val)), val_last + 1]
+            named = echo.argmax(-1) == val_echo[each, val_last + 1]
             parts.append(f"echo {named.float().mean().item():.3f}")
+        for edge in PARTS[args.hint_parts] if args.attention_hint else ():
+            (block, head), (hit, at, to) = EDGES[edge], val_edges[edge]
+            on_target = full.attentions[block][hit, head, at, to].mean().item()
+            parts.append(f"{edge} attention {on_target:.3f}")  # where the hint pulls it
         if val_padded.any() and not val_padded.all():
             parts += [f"pad line {acc[val_padded].mean().item():.3f}",
                       f"none {acc[~val_padded].mean().item():.3f}"]
@@ -361,7 +402,9 @@ def main() -> int:
                 group["lr"] = warmup_cosine(step, args.lr, args.warmup, args.steps)
         idx = torch.randint(0, len(train), (args.batch_size,), generator=g).tolist()
         ids, valid = pad_batch([train[i] for i in idx], pad)
-        logits = model(ids).logits
+        hint = hint_weight(step, args.attention_hint, args.hint_steps)
+        out = model(ids, output_attentions=hint > 0)
+        logits = out.logits
         if args.queries == "every":  # every answer, not just the row's last token
             weights = every_answer_weights(ids, valid, answer_ids, args.loss)
         elif args.loss == "last":
@@ -370,6 +413,9 @@ def main() -> int:
         else:
             weights = answer_weights(valid, ANSWER_WEIGHT)
         loss = token_loss(logits, ids, weights)
+        if hint > 0:  # echo rows ask for no digit: they have no lookup
+            loss = loss + hint * attention_loss(out.attentions, match_targets(ids, lookups),
+                                                args.hint_parts)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -405,6 +405,22 @@ def test_register_plateau_scores_the_echo_of_the_held_out_rows():
     assert "echo" not in plain.stdout
 
 
+def test_attention_hint_pulls_the_colons_attention_onto_the_asked_for_digit():
+    """--attention-hint: every log line adds the hinted head's held-out attention on the
+    queried register's digit, and the hint raises it (a weight of 1e-9 is no hint)."""
+    small = ("--d-model", "32", "--n-heads", "2", "--n-blocks", "2", "--groups", "8",
+             "--batch-size", "8", "--steps", "200", "--lr", "3e-3", "--hint-steps", "1000")
+    attention = []
+    for weight in ("1e-9", "5"):
+        out = run("register_plateau.py", *small, "--attention-hint", weight)
+        assert out.returncode == 0, out.stderr
+        found = re.search(r"match attention (\d\.\d{3})\)$", out.stdout.splitlines()[-1])
+        assert found, out.stdout
+        attention.append(float(found.group(1)))
+    assert attention[1] > 0.3 and attention[1] > 2 * attention[0], attention
+    assert "match attention" not in run("register_plateau.py", *small[:-2]).stdout
+
+
 def test_register_plateau_asks_every_register_in_training_rows_only():
     """--queries every: one training row per history (groups x schedule and complement),
     the held-out rows as before."""
@@ -486,6 +502,8 @@ def test_init_std_scales_every_weight_of_a_fresh_organism_and_defaults_to_hfs():
     """--init-std reaches the organism's config: every weight matrix and the (tied)
     embedding drawn with that standard deviation, the norms at one; the default is
     HF's Llama initialisation, weight for weight."""
+    import dataclasses
+
     import torch
 
     from probekit.training.config import OrganismConfig
@@ -493,9 +511,9 @@ def test_init_std_scales_every_weight_of_a_fresh_organism_and_defaults_to_hfs():
 
     tok, shape = fit_tokenizer(), OrganismConfig(n_blocks=2, d_model=64, n_heads=2)
     plain = build_organism(tok, shape).state_dict()
-    assert all(torch.equal(plain[k], v) for k, v in
-               build_organism(tok, shape, init_std=0.02).state_dict().items())
-    wide = build_organism(tok, shape, init_std=0.1)
+    assert all(torch.equal(plain[k], v) for k, v in build_organism(
+        tok, dataclasses.replace(shape, init_std=0.02)).state_dict().items())
+    wide = build_organism(tok, dataclasses.replace(shape, init_std=0.1))
     for name, weight in wide.named_parameters():
         if weight.ndim == 2:
             assert weight.std().item() == pytest.approx(0.1, rel=0.1), name
@@ -620,6 +638,17 @@ def test_register_parts_probes_every_depth_for_each_part(tmp_path):
     ("register_plateau.py", ("--echo-rows", "0.5", "--queries", "every"),
      "register_plateau: error: --echo-rows turns a row's one question into an echo; drop "
      "--queries every"),
+    ("register_plateau.py", ("--attention-hint", "-1"),
+     "register_plateau: error: --attention-hint must be >= 0; got -1.0"),
+    ("register_plateau.py", ("--attention-hint", "1", "--queries", "every"),
+     "register_plateau: error: --attention-hint supervises a row's one question; drop "
+     "--queries every"),
+    ("register_plateau.py", ("--hint-steps", "0"),
+     "register_plateau: error: --hint-steps must be >= 1; got 0"),
+    ("register_plateau.py", ("--attention-hint", "1", "--hint-parts", "circuit", "--n-blocks",
+                             "1"),
+     "register_plateau: error: --hint-parts circuit hints heads 0 and 1 of block 0 and head 0 "
+     "of the last block; it needs --n-blocks and --n-heads >= 2"),
     ("register_parts.py", ("nowhere",),
      "register_parts: error: nowhere is not an organism folder (no config.json); give the "
      "--save folder of register_plateau.py"),

@@ -14,6 +14,7 @@ from probekit.training.config import (
     OrganismConfig,
     TrainConfig,
     check_organism_data,
+    check_organism_shape,
 )
 from probekit.validation import check_fields, flag
 
@@ -41,6 +42,7 @@ class Config:
             raise UsageError("--long-rows weights the organism's task rows; the gate trains "
                              "on Wikipedia windows: drop it or use --mode organism")
         check_organism_data(self.data, train)
+        check_organism_shape(self.organism, train)
 
 
 def run(config: Config) -> int:

@@ -39,6 +39,9 @@ ORGANISM_ONLY = (
     ("close_pairs", "draws the organism's completion rows", None),
     ("close_pairs_rows", "chooses the organism's close-pair batches", "close_pairs"),
     ("close_pairs_batch", "chooses the organism's close-pair batches", "close_pairs"),
+    ("match_hint", "trains the organism's register lookups", None),
+    ("match_hint_steps", "sets how long the match hint trains", "match_hint"),
+    ("match_hint_parts", "chooses the heads the match hint trains", "match_hint"),
 )
 
 
@@ -103,6 +106,16 @@ class TrainConfig:
     """organism mode: a --close-pairs batch replaces the step's batch (instead) or trains
     beside it, its loss's gradient added before the step's one update (added), so that
     every batch of the recipe stays"""
+    match_hint: float = added_later(0.0)
+    """organism mode: weight, at step 0, of the match hint (probekit.training.match_hint):
+    -log of the attention of head 0 of the last block, at each "Value:" colon of a
+    register row, on the digit the row asks for (0: none)"""
+    match_hint_steps: int = added_later(500)
+    """organism mode: steps over which the --match-hint weight decays linearly to zero"""
+    match_hint_parts: Literal["match", "circuit"] = added_later("match")
+    """organism mode: the heads --match-hint trains: the match alone, or the whole lookup
+    circuit (also head 0 of block 0 from the colon onto the queried name and head 1 of
+    block 0 from each written digit onto its register's name)"""
     ema: float = added_later(0.0)
     """decay D of an exponential moving average of the trained weights, taken after every
     step from --feedback-start on (average <- D average + (1 - D) weights): the checkpoint
@@ -146,7 +159,8 @@ class TrainConfig:
 
 def _validate(c: TrainConfig) -> None:
     """Every check of a resolved config; messages name the flag."""
-    for name in ("steps", "batch_size", "seq_len", "batch_tokens", "save_every"):
+    for name in ("steps", "batch_size", "seq_len", "batch_tokens", "save_every",
+                 "match_hint_steps"):
         v = getattr(c, name)
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{flag(name)} must be a positive integer; got {v!r}")
@@ -166,8 +180,10 @@ def _validate(c: TrainConfig) -> None:
     for name in ("lam", "weight_decay", "grad_clip", "jitter"):
         if not getattr(c, name) >= 0:  # NaN too
             raise ValueError(f"{flag(name)} must be >= 0; got {getattr(c, name)}")
-    if not 0 <= c.ahead_loss < math.inf:  # NaN fails too
-        raise ValueError(f"--ahead-loss must be a finite number >= 0; got {c.ahead_loss}")
+    for name in ("ahead_loss", "match_hint"):
+        if not 0 <= getattr(c, name) < math.inf:  # NaN fails too
+            raise ValueError(f"{flag(name)} must be a finite number >= 0; got "
+                             f"{getattr(c, name)}")
     defaults = {f.name: f.default for f in dataclasses.fields(c)}
     if not 0 <= c.ema < 1:  # 1 would never leave the first weights (NaN: check_fields)
         raise ValueError(f"--ema must lie in [0, 1); got {c.ema}")
@@ -199,11 +215,16 @@ class OrganismConfig:
     """organism SwiGLU hidden width"""
     n_ctx: int = 1280
     """organism context length (256 distractors: 1,057 tokens)"""
+    init_std: float = added_later(0.02)
+    """standard deviation of the fresh organism's weight matrices and embedding (HF's
+    Llama default; larger starts attention further from uniform)"""
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if not 0 < self.init_std <= 1:  # NaN fails too
+            raise ValueError(f"--init-std must lie in (0, 1]; got {self.init_std}")
         for name, v in asdict(self).items():
-            if not isinstance(v, int) or v < 1:
+            if name != "init_std" and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{flag(name)} (organism shape) must be a "
                                  f"positive integer; got {v!r}")
         if self.d_model % self.n_heads:
@@ -256,6 +277,15 @@ class DataConfig:
             raise ValueError(f"--n-examples must be >= 1; got {self.n_examples}")
 
 
+def check_organism_shape(shape: OrganismConfig, train: TrainConfig) -> None:
+    """Refuse a training the organism's shape cannot serve: ``--match-hint-parts circuit``
+    without the two blocks and two heads its edges name. The one check of it, for
+    ``probekit train-feedback`` and every organism recipe."""
+    if train.match_hint_parts == "circuit" and min(shape.n_blocks, shape.n_heads) < 2:
+        raise ValueError("--match-hint-parts circuit trains heads 0 and 1 of block 0 and "
+                         "head 0 of the last block; it needs --n-blocks and --n-heads >= 2")
+
+
 def check_organism_data(data: DataConfig, train: TrainConfig) -> None:
     """Refuse an organism training its task rows cannot serve: fewer rows (``--n-examples``)
     than one batch, or ``--close-pairs`` without completion rows. The one check of it, for
@@ -266,4 +296,7 @@ def check_organism_data(data: DataConfig, train: TrainConfig) -> None:
                          f"got {data.n_examples}")
     if train.close_pairs and "completion" not in data.tasks:
         raise ValueError(f"--close-pairs draws completion rows; it needs completion among "
+                         f"--tasks (got {' '.join(data.tasks)})")
+    if train.match_hint and "registers" not in data.tasks:
+        raise ValueError(f"--match-hint trains register lookups; it needs registers among "
                          f"--tasks (got {' '.join(data.tasks)})")

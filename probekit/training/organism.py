@@ -106,10 +106,10 @@ def fit_tokenizer(tasks: Sequence[str] = VOCAB_TASKS) -> transformers.PreTrained
 
 
 def build_organism(tokenizer, config: OrganismConfig | None = None, *,
-                   seed: int = 0, init_std: float = 0.02) -> transformers.LlamaForCausalLM:
+                   seed: int = 0) -> transformers.LlamaForCausalLM:
     """A freshly initialised organism for ``tokenizer`` (trainable, train mode off);
-    ``config`` None is the default shape. ``init_std`` is the standard deviation of every
-    weight matrix and the embedding at initialisation (HF's Llama default, 0.02)."""
+    ``config`` None is the default shape (its ``init_std`` the standard deviation of every
+    weight matrix and the embedding at initialisation, HF's Llama default 0.02)."""
     config = config or OrganismConfig()
     eot = tokenizer.convert_tokens_to_ids(EOT)
     cfg = transformers.LlamaConfig(
@@ -125,7 +125,7 @@ def build_organism(tokenizer, config: OrganismConfig | None = None, *,
         bos_token_id=eot,
         eos_token_id=eot,
         pad_token_id=eot,
-        initializer_range=init_std,
+        initializer_range=config.init_std,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -44,6 +44,7 @@ from probekit.training.config import (
     OrganismConfig,
     TrainConfig,
     check_organism_data,
+    check_organism_shape,
 )
 from probekit.training.train import final_validation, training_seconds
 
@@ -84,6 +85,7 @@ class Recipe:
             raise ValueError(f"an organism recipe trains in organism mode, not {self.train.mode}")
         object.__setattr__(self, "train", self.train.resolved())
         check_organism_data(self.data, self.train)
+        check_organism_shape(self.shape, self.train)
 
     @classmethod
     def default(cls, seed: int = 0, tasks: tuple[str, ...] | None = None,

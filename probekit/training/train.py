@@ -8,7 +8,9 @@ rate; ``--short-first`` steps at the start train on short rows only (a length cu
 or, with ``--close-pairs-batch added``, train beside it; ``--ema`` saves and validates an
 exponential moving average of the weights (:func:`update_average`) instead of the last
 ones, a variance reduction that leaves the training itself as it was (Polyak and Juditsky
-1992; the averaged weights of Izmailov et al. 2018, "Averaging Weights Leads to Wider Optima").
+1992; the averaged weights of Izmailov et al. 2018, "Averaging Weights Leads to Wider Optima");
+``--match-hint`` adds, for the first ``--match-hint-steps`` steps, a decaying loss on one
+head's attention at register lookups (:mod:`probekit.training.match_hint`).
 Modes:
 
 - ``gate``: only the gate trains; the pretrained model is frozen. Pass 1 then does not
@@ -36,6 +38,7 @@ from probekit.mechanisms.latent_feedback import FeedbackGate
 from probekit.training.checkpoint import restore_average, restore_training, save_checkpoint
 from probekit.training.config import TrainConfig
 from probekit.training.data import TrainData
+from probekit.training.match_hint import RegisterTokens, hint_weight, match_hint_loss, match_targets
 from probekit.training.objective import answer_weights, evaluate, fixed_point_loss, multipass_loss
 
 
@@ -202,6 +205,7 @@ def train(
         raise ValueError(f"--fixed-point-rows long draws rows longer than {data.short_len} "
                          f"tokens (the validation rows' length) and the training rows have "
                          f"none; train on 16-256 null updates too, or drop --fixed-point-rows")
+    lookups = RegisterTokens.of(model.tokenizer) if config.match_hint else None
     opt = make_optimizer(trainable, config)
     start, history, average = 0, [], None
     if (ckpt / "config.json").is_file():
@@ -237,6 +241,12 @@ def train(
         K = "full" if fixed else K
         total, losses = _loss(hf, gate, ids, valid, K, config, g, head)
         extra = {}
+        hint = hint_weight(step, config.match_hint, config.match_hint_steps)
+        if hint:  # on the plain pass; no random draw, so every stream stays as it was
+            hint_loss = match_hint_loss(hf, ids, match_targets(ids, lookups),
+                                        config.match_hint_parts)
+            total = total + hint * hint_loss
+            extra["match_hint_loss"] = hint_loss.item()
         if total.requires_grad:  # gate mode, K = 1: nothing trainable in the loss
             opt.zero_grad(set_to_none=True)
             total.backward()
