@@ -9,7 +9,7 @@
 # at the organism shape SHAPE (default probekit's; e.g. SHAPE="--d-model 256 --n-heads 8",
 # the width that learned two registers in experiments/register_plateau.py), with any other
 # organism_checkpoint.py flags in RECIPE (e.g. the match hint: RECIPE="--init-std 0.06
-# --match-hint 5 --match-hint-parts circuit", the recipe that learns eight registers).
+# --match-hint 5 --match-hint-parts circuit"; docs/latent-feedback.md says what it does).
 # In our runs no such organism learned the task (seed 0: 2,000 to 8,000 steps, four kinds
 # of training rows; they learn the latest write but not which register was asked for:
 # docs/latent-feedback.md, experiments/register_shapes.py), so check the printed task
