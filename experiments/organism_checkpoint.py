@@ -25,7 +25,8 @@ organism trained with a non-default schedule, fed-back state or task mix.
     python experiments/organism_checkpoint.py --seed 0 --tasks registers --d-model 256 \
         --n-heads 8
     python experiments/organism_checkpoint.py --seed 0 --tasks registers --d-model 256 \
-        --n-heads 8 --match-hint 1 --match-hint-steps 500
+        --n-heads 8 --init-std 0.06 --match-hint 5 --match-hint-steps 1000 \
+        --match-hint-parts circuit --steps 1000
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ or, with ``--close-pairs-batch added``, train beside it; ``--ema`` saves and val
 exponential moving average of the weights (:func:`update_average`) instead of the last
 ones, a variance reduction that leaves the training itself as it was (Polyak and Juditsky
 1992; the averaged weights of Izmailov et al. 2018, "Averaging Weights Leads to Wider Optima");
-``--match-hint`` adds, for the first ``--match-hint-steps`` steps, a decaying loss on one
-head's attention at register lookups (:mod:`probekit.training.match_hint`).
+``--match-hint`` adds, for the first ``--match-hint-steps`` steps, a decaying loss on where
+attention heads look at register lookups (:mod:`probekit.training.match_hint`).
 Modes:
 
 - ``gate``: only the gate trains; the pretrained model is frozen. Pass 1 then does not
