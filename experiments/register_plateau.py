@@ -254,6 +254,7 @@ def main() -> int:
         PARTS,
         RegisterTokens,
         attention_loss,
+        fits,
         hint_weight,
         match_targets,
     )
@@ -312,8 +313,8 @@ def main() -> int:
         model.set_attn_implementation("sdpa")
     if args.attention_hint:  # sdpa returns no attention weights
         model.set_attn_implementation("eager")
-        if args.hint_parts == "circuit" and min(model.config.num_hidden_layers,
-                                                model.config.num_attention_heads) < 2:
+        if not fits(args.hint_parts, model.config.num_hidden_layers,
+                    model.config.num_attention_heads):
             return usage_error("--hint-parts circuit hints heads 0 and 1 of block 0 and head 0 "
                                "of the last block; it needs --n-blocks and --n-heads >= 2")
     model.train()

@@ -12,6 +12,7 @@ from probekit.training.config import OrganismConfig, TrainConfig
 from probekit.training.match_hint import (
     EDGES,
     RegisterTokens,
+    fits,
     hint_weight,
     match_hint_loss,
     match_targets,
@@ -38,6 +39,7 @@ def test_match_targets_are_each_lookups_edges():
         "required = 24\ncompleted = 99\nscratch = 1\nStatus: done",  # another task's row
         "r2 = 1\nquery = r3\nValue: one",  # a register never written: no lookup
     )
+    assert LOOKUPS.names == frozenset(TOK.convert_tokens_to_ids([f"r{i}" for i in range(16)]))
     edges = match_targets(ids, LOOKUPS)
     words = TOK.convert_ids_to_tokens(ids[0].tolist())
     rows, colons, digits = edges["match"]
@@ -78,6 +80,11 @@ def test_match_hint_loss_is_minus_log_the_hinted_heads_attention_on_each_digit()
     assert match.requires_grad and circuit.requires_grad
     none = match_targets(batch("required = 24\nStatus: done"), LOOKUPS)
     assert match_hint_loss(model, ids, none, "circuit").item() == 0.0
+
+
+def test_fits_asks_for_the_distinct_blocks_and_heads_the_edges_name():
+    assert fits("match", 1, 1) and fits("circuit", 2, 2)
+    assert not fits("circuit", 1, 4) and not fits("circuit", 4, 1)
 
 
 def test_hint_weight_decays_linearly_to_zero():

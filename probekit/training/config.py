@@ -281,7 +281,11 @@ def check_organism_shape(shape: OrganismConfig, train: TrainConfig) -> None:
     """Refuse a training the organism's shape cannot serve: ``--match-hint-parts circuit``
     without the two blocks and two heads its edges name. The one check of it, for
     ``probekit train-feedback`` and every organism recipe."""
-    if train.match_hint_parts == "circuit" and min(shape.n_blocks, shape.n_heads) < 2:
+    if not train.match_hint:
+        return
+    from probekit.training.match_hint import fits  # imports torch: only when hinted
+
+    if not fits(train.match_hint_parts, shape.n_blocks, shape.n_heads):
         raise ValueError("--match-hint-parts circuit trains heads 0 and 1 of block 0 and "
                          "head 0 of the last block; it needs --n-blocks and --n-heads >= 2")
 

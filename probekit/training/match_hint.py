@@ -25,6 +25,7 @@ trains as any other.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 from torch import Tensor
@@ -33,6 +34,15 @@ from torch import Tensor
 EDGES = {"match": (-1, 0), "query": (0, 0), "name": (0, 1)}
 #: The edges each ``--match-hint-parts`` trains.
 PARTS = {"match": ("match",), "circuit": ("match", "query", "name")}
+
+
+def fits(parts: str, n_blocks: int, n_heads: int) -> bool:
+    """Whether a model of ``n_blocks`` blocks of ``n_heads`` heads has every head the edges
+    of ``parts`` name as distinct heads (the last block and block 0 must differ)."""
+    edges = [EDGES[edge] for edge in PARTS[parts]]
+    blocks = {block % n_blocks for block, _ in edges}
+    return (len(blocks) == len({block for block, _ in edges})
+            and max(head for _, head in edges) < n_heads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +57,12 @@ class RegisterTokens:
 
     @classmethod
     def of(cls, tokenizer) -> RegisterTokens:
-        from probekit.training.organism import REGISTER_NAMES
-
+        """The ids in ``tokenizer``: every word ``r<digits>`` of its vocabulary is a name
+        (the organism's r0..r15)."""
         ids = tokenizer.convert_tokens_to_ids
-        return cls(frozenset(ids([f"r{i}" for i in range(REGISTER_NAMES)])), ids("="),
-                   ids("query"), ids("Value"), ids(":"))
+        names = frozenset(i for word, i in tokenizer.get_vocab().items()
+                          if re.fullmatch(r"r\d+", word))
+        return cls(names, ids("="), ids("query"), ids("Value"), ids(":"))
 
 
 #: One edge's targets: (row, attending position, attended position), each ``[N]``.
@@ -103,7 +114,9 @@ def match_hint_loss(hf_model, ids: Tensor, targets: dict[str, Targets],
                     parts: str = "match") -> Tensor:
     """:func:`attention_loss` of the plain pass over ``ids``: one forward with eager
     attention (the only kind that returns its weights), the model's attention put back
-    after."""
+    after (no forward when no edge of ``parts`` has a target: 0)."""
+    if not any(len(targets[edge][0]) for edge in PARTS[parts]):
+        return torch.zeros(())
     kept = hf_model.config._attn_implementation
     hf_model.set_attn_implementation("eager")
     try:
